@@ -1,0 +1,51 @@
+"""pagedkv: a paged key/value cache for transformer attention, in numpy.
+
+Fixed-size blocks come from one shared pool, a block table per sequence maps
+token positions to blocks, and ``KVCache.attend`` gathers across them, never
+changing an output, only the work it costs.
+
+>>> import pagedkv
+>>> pagedkv.KVCache().attend([1.0], [1.0], [42.0])
+[42.0]
+"""
+
+from pagedkv.allocator import BlockAllocator
+from pagedkv.block_table import BlockTable
+from pagedkv.cache import KVCache
+from pagedkv.errors import (
+    ClosedCacheError,
+    ConfigError,
+    DoubleFreeError,
+    DuplicateSequenceError,
+    InputTypeError,
+    NonFiniteError,
+    PagedKVError,
+    PoolExhaustedError,
+    SequenceStateError,
+    ShapeError,
+    UnknownBlockError,
+    UnknownSequenceError,
+)
+from pagedkv.pool import KVPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockAllocator",
+    "BlockTable",
+    "ClosedCacheError",
+    "ConfigError",
+    "DoubleFreeError",
+    "DuplicateSequenceError",
+    "InputTypeError",
+    "KVCache",
+    "KVPool",
+    "NonFiniteError",
+    "PagedKVError",
+    "PoolExhaustedError",
+    "SequenceStateError",
+    "ShapeError",
+    "UnknownBlockError",
+    "UnknownSequenceError",
+    "__version__",
+]

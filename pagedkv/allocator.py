@@ -1,0 +1,243 @@
+"""The block allocator: integer block ids and their reference counts, nothing else.
+
+The allocator never sees tokens or arrays; it only decides which block ids are
+in use and how many block tables hold each one. Storage (:mod:`pagedkv.pool`)
+pairs it with the arrays the ids index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+
+from pagedkv.errors import ConfigError, DoubleFreeError, PoolExhaustedError, UnknownBlockError
+
+__all__ = ["BlockAllocator"]
+
+
+class BlockAllocator:
+    """Hands out fixed-size blocks by id from one pool and counts their references.
+
+    Free ids wait in a FIFO queue: allocating pops from the head and freeing
+    appends to the tail, so both cost O(1) per block and never scan the pool.
+
+    NOTE: a FIFO (not a LIFO stack) is deliberate. A cache that owns a pool on
+    its own gets consecutive ids back in order, which lets attention read its
+    blocks as one array view instead of gathering them (see ``pagedkv.cache``).
+
+    Invariants:
+        * every id in ``range(num_blocks)`` is either free (ref count 0, in the
+          free queue exactly once) or used (ref count >= 1, not in the queue);
+        * ``num_free_blocks + num_used_blocks == num_blocks``.
+
+    >>> alloc = BlockAllocator(4)
+    >>> alloc.allocate(2)
+    [0, 1]
+    >>> alloc.free([0])
+    >>> alloc.num_free_blocks, alloc.ref_count(1)
+    (3, 1)
+    """
+
+    __slots__ = ("_num_blocks", "_ref_counts", "_free")
+
+    def __init__(self, num_blocks: int) -> None:
+        """Create a pool of ``num_blocks`` free blocks with ids ``0 .. num_blocks - 1``.
+
+        Args:
+            num_blocks: how many blocks the pool holds; a positive int.
+
+        Raises:
+            ConfigError: ``num_blocks`` is not a positive int.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self._num_blocks = num_blocks
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the pool holds, free and used."""
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """How many blocks can be allocated right now."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """How many blocks have a ref count of at least one."""
+        return self._num_blocks - len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``allocate(num_blocks)`` would succeed now.
+
+        >>> BlockAllocator(2).can_allocate(3)
+        False
+        """
+        return 0 <= num_blocks <= len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id``.
+
+        Raises:
+            UnknownBlockError: ``block_id`` is not an id of this pool.
+        """
+        self._check_id(block_id)
+        return self._ref_counts[block_id]
+
+    def next_free_block_id(self) -> int:
+        """The id the next ``allocate`` hands out first.
+
+        Raises:
+            PoolExhaustedError: no block is free.
+        """
+        if not self._free:
+            raise PoolExhaustedError(1, 0, self._num_blocks)
+        return self._free[0]
+
+    def free_block_ids(self) -> list[int]:
+        """The free ids in the order they will be handed out (a copy)."""
+        return list(self._free)
+
+    # --------------------------------------------------------------- commands
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` free blocks, each with ref count 1, in queue order.
+
+        Args:
+            num_blocks: how many blocks to take; zero gives an empty list.
+
+        Returns:
+            The new block ids.
+
+        Raises:
+            ConfigError: ``num_blocks`` is negative or not an int.
+            PoolExhaustedError: fewer than ``num_blocks`` are free; nothing changes.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        free = self._free
+        if num_blocks > len(free):
+            raise PoolExhaustedError(num_blocks, len(free), self._num_blocks)
+        pop = free.popleft
+        block_ids = [pop() for _ in range(num_blocks)]
+        ref_counts = self._ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] = 1
+        return block_ids
+
+    def allocate_one(self) -> int:
+        """Take one free block (ref count 1); the fast path of ``allocate(1)``.
+
+        Raises:
+            PoolExhaustedError: no block is free; nothing changes.
+        """
+        if not self._free:
+            raise PoolExhaustedError(1, 0, self._num_blocks)
+        block_id = self._free.popleft()
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each used block (a fork, or a prefix-cache hit).
+
+        Raises:
+            UnknownBlockError: an id is not an id of this pool.
+            DoubleFreeError: an id is free, so there is nothing to share; nothing changes.
+        """
+        block_ids = list(block_ids)
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref_counts[block_id] == 0:
+                raise DoubleFreeError(f"block {block_id} is free; only used blocks can be shared")
+        ref_counts = self._ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each id; ids that reach zero rejoin the free queue.
+
+        An id may appear several times; each appearance drops one reference.
+
+        Raises:
+            UnknownBlockError: an id is not an id of this pool; nothing changes.
+            DoubleFreeError: an id would drop below zero references; nothing changes.
+        """
+        block_ids = list(block_ids)
+        ref_counts = self._ref_counts
+        for block_id in block_ids:
+            self._check_id(block_id)
+        counts = (
+            dict.fromkeys(block_ids, 1)
+            if len(set(block_ids)) == len(block_ids)
+            else Counter(block_ids)
+        )
+        for block_id, num_drops in counts.items():
+            if ref_counts[block_id] < num_drops:
+                raise DoubleFreeError(
+                    f"block {block_id} has ref count {ref_counts[block_id]} but was freed "
+                    f"{num_drops} time{'s' if num_drops != 1 else ''}; a block table freed it twice"
+                )
+        append = self._free.append
+        for block_id in block_ids:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
+                append(block_id)
+
+    def free_one(self, block_id: int) -> None:
+        """Drop one reference from ``block_id``; the fast path of ``free([block_id])``."""
+        self._check_id(block_id)
+        count = self._ref_counts[block_id]
+        if count == 0:
+            raise DoubleFreeError(f"block {block_id} is already free; a block table freed it twice")
+        self._ref_counts[block_id] = count - 1
+        if count == 1:
+            self._free.append(block_id)
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Add ``num_new_blocks`` free blocks with the next ids; existing ids stay valid.
+
+        Raises:
+            ConfigError: ``num_new_blocks`` is not a positive int.
+        """
+        if isinstance(num_new_blocks, bool) or not isinstance(num_new_blocks, int) or num_new_blocks < 1:
+            raise ConfigError(f"num_new_blocks must be a positive int, got {num_new_blocks!r}")
+        start = self._num_blocks
+        self._num_blocks += num_new_blocks
+        self._ref_counts.extend([0] * num_new_blocks)
+        self._free.extend(range(start, self._num_blocks))
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any invariant in the class docstring is broken."""
+        free = list(self._free)
+        free_set = set(free)
+        if len(free_set) != len(free):
+            raise AssertionError(f"a block is in the free queue twice: {sorted(free)}")
+        for block_id in range(self._num_blocks):
+            count = self._ref_counts[block_id]
+            if count < 0:
+                raise AssertionError(f"block {block_id} has negative ref count {count}")
+            if (count == 0) != (block_id in free_set):
+                raise AssertionError(
+                    f"block {block_id} has ref count {count} but is "
+                    f"{'' if block_id in free_set else 'not '}in the free queue"
+                )
+        if len(self._ref_counts) != self._num_blocks:
+            raise AssertionError("ref count table and num_blocks disagree")
+
+    def _check_id(self, block_id: int) -> None:
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise UnknownBlockError(f"block id must be an int, got {block_id!r}")
+        if not 0 <= block_id < self._num_blocks:
+            raise UnknownBlockError(
+                f"block id {block_id} is not in this pool (ids 0 to {self._num_blocks - 1})"
+            )
+
+    def __repr__(self) -> str:
+        return f"BlockAllocator(num_blocks={self._num_blocks}, num_free_blocks={len(self._free)})"

@@ -1,0 +1,297 @@
+"""The block table: which block holds each logical index of one sequence.
+
+Pure bookkeeping in Python ints; it never touches the allocator or arrays. The
+owner (a cache or the manager) asks the table how many blocks an operation
+needs, takes them from the allocator, hands them to the table, and frees what
+the table gives back.
+
+Layout, block_size 4, a sequence of 10 tokens whose window starts at index 5::
+
+    logical index   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    logical block   0       | 1       | 2
+    state           evicted | x x x x | held, 2 free slots
+                      (freed)   ^ window_start = 5: index 4 is evicted but
+                                  block 1 still holds 5..7, so it stays
+    table           [       , b1      , b2     ]   first_block_index = 1
+
+Logical index ``i`` lives in logical block ``i // block_size`` at offset
+``i % block_size``; logical block ``j`` is ``block_ids[j - first_block_index]``.
+With attention sinks the first ``ceil(num_sink_tokens / block_size)`` logical
+blocks are pinned: they are never freed, and the window part of the table
+starts after them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["BlockTable"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockTable:
+    """One sequence's ordered block ids and the range of logical indices they hold.
+
+    Invariants:
+        * held logical blocks are ``0 .. num_sink_blocks - 1`` (sink blocks, as
+          far as the sequence reaches) and ``first_block_index .. last`` with
+          ``first_block_index >= num_sink_blocks``;
+        * ``len(block_ids) == ceil(num_tokens / block_size) - first_block_index
+          + len(sink part)``: every logical block from the first held one to the
+          one holding the newest token is present, none beyond;
+        * ``num_sink_tokens <= window_start <= num_tokens`` once past the sinks,
+          and no held window block lies wholly before ``window_start``;
+        * no block id appears twice.
+
+    >>> table = BlockTable(block_size=4)
+    >>> table.num_new_blocks(5)
+    2
+    >>> table.append(5, [7, 3])
+    >>> table.block_ids, table.slot(4)
+    ([7, 3], 12)
+    """
+
+    __slots__ = (
+        "block_size",
+        "num_sink_tokens",
+        "num_sink_blocks",
+        "num_tokens",
+        "window_start",
+        "_sink_ids",
+        "_ids",
+        "_first_block",
+        "_num_breaks",
+    )
+
+    def __init__(self, block_size: int, num_sink_tokens: int = 0) -> None:
+        """Create an empty table.
+
+        Args:
+            block_size: token slots per block (validated by the owner).
+            num_sink_tokens: leading tokens that are never evicted.
+        """
+        self.block_size = block_size
+        self.num_sink_tokens = num_sink_tokens
+        self.num_sink_blocks = _ceil_div(num_sink_tokens, block_size)
+        #: Logical length: every token ever appended, evicted ones included.
+        self.num_tokens = 0
+        #: First logical index after the sinks that is still held.
+        self.window_start = num_sink_tokens
+        self._sink_ids: list[int] = []
+        self._ids: deque[int] = deque()
+        self._first_block = self.num_sink_blocks
+        # Adjacent pairs in ``_ids`` that are not consecutive block ids; zero
+        # means the window part is one run, readable as an array view.
+        self._num_breaks = 0
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Held block ids in logical order (a copy)."""
+        return self._sink_ids + list(self._ids)
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the table holds."""
+        return len(self._sink_ids) + len(self._ids)
+
+    @property
+    def num_window_blocks(self) -> int:
+        """How many blocks the window part (after the sink blocks) holds."""
+        return len(self._ids)
+
+    @property
+    def first_window_id(self) -> int:
+        """Id of the oldest held window block."""
+        return self._ids[0]
+
+    @property
+    def first_block_index(self) -> int:
+        """Logical block index of the first held window block."""
+        return self._first_block
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """How many tokens are held (sinks plus window), not counting evicted ones."""
+        num_sinks = min(self.num_sink_tokens, self.num_tokens)
+        return num_sinks + max(0, self.num_tokens - self.window_start)
+
+    @property
+    def is_one_run(self) -> bool:
+        """Whether the held blocks are consecutive ids with no sinks in front."""
+        return self._num_breaks == 0 and not self._sink_ids
+
+    @property
+    def last_block_id(self) -> int:
+        """Id of the block that holds the newest token."""
+        return self._ids[-1] if self._ids else self._sink_ids[-1]
+
+    def num_new_blocks(self, num_tokens: int) -> int:
+        """How many blocks appending ``num_tokens`` more tokens needs."""
+        bs = self.block_size
+        return _ceil_div(self.num_tokens + num_tokens, bs) - _ceil_div(self.num_tokens, bs)
+
+    def num_blocks_released_by(self, window_start: int) -> int:
+        """How many blocks ``evict_to(window_start)`` would give back."""
+        end = min(window_start, self.num_tokens)
+        num_whole = end // self.block_size - self._first_block
+        return max(0, min(num_whole, len(self._ids)))
+
+    def slot(self, index: int) -> int:
+        """The slot (``block_id * block_size + offset``) of held logical index ``index``."""
+        bs = self.block_size
+        logical_block, offset = divmod(index, bs)
+        if logical_block < self.num_sink_blocks:
+            return self._sink_ids[logical_block] * bs + offset
+        return self._ids[logical_block - self._first_block] * bs + offset
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """Held logical index ranges ``[start, end)``, sinks first, in order."""
+        num_sinks = min(self.num_sink_tokens, self.num_tokens)
+        ranges = [(0, num_sinks)] if num_sinks else []
+        if self.num_tokens > self.window_start:
+            ranges.append((self.window_start, self.num_tokens))
+        return ranges
+
+    # --------------------------------------------------------------- commands
+
+    def append(self, num_tokens: int, new_block_ids: list[int]) -> None:
+        """Record ``num_tokens`` new tokens stored in the held blocks and ``new_block_ids``.
+
+        ``new_block_ids`` must hold exactly ``num_new_blocks(num_tokens)`` ids.
+        """
+        if len(new_block_ids) != self.num_new_blocks(num_tokens):
+            raise ValueError(
+                f"appending {num_tokens} tokens needs {self.num_new_blocks(num_tokens)} "
+                f"new blocks, got {len(new_block_ids)}"
+            )
+        for block_id in new_block_ids:
+            if len(self._sink_ids) < self.num_sink_blocks:
+                self._sink_ids.append(block_id)
+                continue
+            if self._ids and self._ids[-1] + 1 != block_id:
+                self._num_breaks += 1
+            self._ids.append(block_id)
+        self.num_tokens += num_tokens
+
+    def evict_to(self, window_start: int) -> list[int]:
+        """Evict every window index below ``window_start``; return the blocks now unused.
+
+        Indices below ``num_sink_tokens`` are never evicted. The returned ids
+        are oldest first; the caller frees them.
+        """
+        window_start = min(max(window_start, self.window_start), self.num_tokens)
+        if window_start <= self.window_start:
+            return []
+        self.window_start = window_start
+        released = []
+        ids = self._ids
+        bs = self.block_size
+        while ids and (self._first_block + 1) * bs <= window_start:
+            block_id = ids.popleft()
+            if ids and ids[0] != block_id + 1:
+                self._num_breaks -= 1
+            released.append(block_id)
+            self._first_block += 1
+        if not ids:
+            # Nothing held in the window: the next token's block starts it again.
+            self._first_block = max(self._first_block, _ceil_div(self.num_tokens, bs))
+        return released
+
+    def replace_last(self, block_id: int) -> int:
+        """Swap the block holding the newest token for ``block_id``; return the old id.
+
+        Used by copy-on-write: the caller copied the old block's contents first.
+        """
+        if self._ids:
+            old = self._ids.pop()
+            if self._ids and self._ids[-1] + 1 != old:
+                self._num_breaks -= 1
+            if self._ids and self._ids[-1] + 1 != block_id:
+                self._num_breaks += 1
+            self._ids.append(block_id)
+        else:
+            old = self._sink_ids[-1]
+            self._sink_ids[-1] = block_id
+        return old
+
+    def replace_all(self, block_ids: list[int]) -> list[int]:
+        """Swap every held id for the one at the same place in ``block_ids``; return the old ids."""
+        if len(block_ids) != self.num_blocks:
+            raise ValueError(f"table holds {self.num_blocks} blocks, got {len(block_ids)} ids")
+        old = self.block_ids
+        num_sink = len(self._sink_ids)
+        self._sink_ids = list(block_ids[:num_sink])
+        self._ids = deque(block_ids[num_sink:])
+        window = list(self._ids)
+        self._num_breaks = sum(1 for a, b in zip(window, window[1:]) if a + 1 != b)
+        return old
+
+    def clear(self) -> list[int]:
+        """Drop every block and token; return the ids, newest first (tail first)."""
+        released = list(self._ids)[::-1] + self._sink_ids[::-1]
+        self._sink_ids = []
+        self._ids = deque()
+        self._first_block = self.num_sink_blocks
+        self._num_breaks = 0
+        self.num_tokens = 0
+        self.window_start = self.num_sink_tokens
+        return released
+
+    def copy(self) -> BlockTable:
+        """An independent table with the same ids (the caller shares the blocks)."""
+        twin = BlockTable(self.block_size, self.num_sink_tokens)
+        twin.num_tokens = self.num_tokens
+        twin.window_start = self.window_start
+        twin._sink_ids = list(self._sink_ids)
+        twin._ids = deque(self._ids)
+        twin._first_block = self._first_block
+        twin._num_breaks = self._num_breaks
+        return twin
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any invariant in the class docstring is broken."""
+        bs = self.block_size
+        ids = self.block_ids
+        if len(set(ids)) != len(ids):
+            raise AssertionError(f"a block id appears twice in one table: {ids}")
+        expected_sink = min(self.num_sink_blocks, _ceil_div(self.num_tokens, bs))
+        if len(self._sink_ids) != expected_sink:
+            raise AssertionError(
+                f"{len(self._sink_ids)} sink blocks held, expected {expected_sink}"
+            )
+        if self._first_block < self.num_sink_blocks:
+            raise AssertionError("window part starts inside the sink blocks")
+        last_block = _ceil_div(self.num_tokens, bs)
+        expected_window = max(0, last_block - self._first_block)
+        if len(self._ids) != expected_window:
+            raise AssertionError(
+                f"{len(self._ids)} window blocks held for logical blocks "
+                f"{self._first_block}..{last_block - 1}, expected {expected_window}"
+            )
+        if self._ids and (self._first_block + 1) * bs <= self.window_start:
+            raise AssertionError(
+                f"block {self._ids[0]} lies wholly before window_start {self.window_start}"
+            )
+        if self.num_tokens > self.num_sink_tokens and not (
+            self.num_sink_tokens <= self.window_start <= self.num_tokens
+        ):
+            raise AssertionError(
+                f"window_start {self.window_start} outside [{self.num_sink_tokens}, {self.num_tokens}]"
+            )
+        window = list(self._ids)
+        breaks = sum(1 for a, b in zip(window, window[1:]) if a + 1 != b)
+        if breaks != self._num_breaks:
+            raise AssertionError(f"run breaks counted {self._num_breaks}, actual {breaks}")
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockTable(block_ids={self.block_ids}, num_tokens={self.num_tokens}, "
+            f"window_start={self.window_start})"
+        )

@@ -1,0 +1,402 @@
+"""``KVCache``: one sequence's paged key/value cache and its ``attend``.
+
+The seed contract: ``attend(q, k, v)`` appends ``k``/``v``; if the cache now
+holds more than ``max_size`` entries it evicts the oldest; then it returns the
+attention of ``q`` over every cached entry, the new one included. Caching never
+changes an output: each one equals, bit for bit, the no-cache recompute of
+:mod:`pagedkv.reference`.
+
+>>> KVCache().attend([1.0], [1.0], [42.0])
+[42.0]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.allocator import BlockAllocator
+from pagedkv.attention import attend_dense
+from pagedkv.block_table import BlockTable
+from pagedkv.errors import ClosedCacheError, ConfigError, NonFiniteError, PoolExhaustedError, ShapeError
+from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
+from pagedkv.pool import KVPool, storage_dtype
+
+__all__ = ["KVCache"]
+
+_DEFAULT_BLOCK_SIZE = 16
+
+
+def _release(allocator: BlockAllocator, table: BlockTable) -> None:
+    """Give a dropped cache's blocks back to its shared pool (a finalizer)."""
+    allocator.free(table.clear())
+
+
+class KVCache:
+    """A paged key/value cache for one sequence, one layer.
+
+    Its entries live in fixed-size blocks of a :class:`~pagedkv.KVPool`: either a
+    shared pool passed as ``pool`` (a fixed size, shared with other caches) or a
+    private pool created at the first ``attend`` that grows geometrically.
+
+    Invariants:
+        * ``len(cache) == min(entries appended, max_size)`` (or all appended
+          entries when ``max_size`` is None);
+        * the block table's invariants hold, and it holds at most
+          ``ceil(max_size / block_size) + 1`` blocks;
+        * the pool's invariants hold: each held block's ref count counts this
+          cache's table among its holders.
+
+    Args:
+        max_size: ``None`` for an unbounded cache, or the window size ``W``:
+            each output attends to exactly ``min(n, W)`` entries.
+        block_size: token slots per block; defaults to the pool's, or 16.
+        pool: a shared :class:`~pagedkv.KVPool`; ``None`` for a private one.
+        dtype: storage and compute dtype, float32 or float64 (the default, or
+            the pool's).
+        scale: multiplies every score; ``1.0`` is the seed's plain dot product,
+            ``1 / sqrt(head_dim)`` the transformer's.
+
+    Raises:
+        InputTypeError, ConfigError: an argument has the wrong type or value,
+            or disagrees with ``pool``.
+
+    >>> cache = KVCache(max_size=2, block_size=2)
+    >>> [cache.attend([0.0], [0.0], [v]) for v in (1.0, 3.0, 5.0)]
+    [[1.0], [2.0], [4.0]]
+    >>> len(cache), cache.values().tolist()
+    (2, [[3.0], [5.0]])
+    """
+
+    def __init__(
+        self,
+        max_size: int | None = None,
+        *,
+        block_size: int | None = None,
+        pool: KVPool | None = None,
+        dtype: npt.DTypeLike | None = None,
+        scale: float = 1.0,
+    ) -> None:
+        self._max_size = check_max_size(max_size)
+        if pool is not None and not isinstance(pool, KVPool):
+            raise ConfigError(f"pool must be a KVPool or None, got {type(pool).__name__}")
+        if pool is not None and pool.num_layers != 1:
+            raise ConfigError(
+                f"a KVCache stores one layer but the pool has num_layers={pool.num_layers}; "
+                "use KVCacheManager for many layers"
+            )
+        if block_size is None:
+            block_size = pool.block_size if pool is not None else _DEFAULT_BLOCK_SIZE
+        block_size = check_count("block_size", block_size)
+        if pool is not None and block_size != pool.block_size:
+            raise ConfigError(f"block_size={block_size} but the pool's block_size is {pool.block_size}")
+        resolved = storage_dtype(dtype if dtype is not None else (pool.dtype if pool else np.float64))
+        if pool is not None and resolved != pool.dtype:
+            raise ConfigError(f"dtype={resolved} but the pool stores {pool.dtype}")
+        self._scale = check_scale(scale)
+        self._block_size = block_size
+        self._dtype = resolved
+        self._pool = pool
+        self._private = pool is None
+        self._table = BlockTable(block_size)
+        self._kv_shape: tuple[int, ...] | None = None  # shape of one k, fixed by the first attend
+        self._max_abs_key = 0.0
+        self._closed = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if pool is not None:
+            self._attach(pool)
+
+    # ---------------------------------------------------------------- queries
+
+    def __len__(self) -> int:
+        """How many entries are cached now (at most ``max_size``)."""
+        return self._table.num_cached_tokens
+
+    @property
+    def max_size(self) -> int | None:
+        """The window size, or ``None`` when unbounded."""
+        return self._max_size
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block."""
+        return self._block_size
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Storage and compute dtype."""
+        return self._dtype
+
+    @property
+    def scale(self) -> float:
+        """The factor every score is multiplied by."""
+        return self._scale
+
+    @property
+    def pool(self) -> KVPool | None:
+        """The pool holding this cache's blocks (``None`` before a private one exists)."""
+        return self._pool
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has been called."""
+        return self._closed
+
+    @property
+    def num_tokens(self) -> int:
+        """Entries appended over the cache's life, evicted ones included (since ``clear``)."""
+        return self._table.num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks this cache holds now."""
+        return self._table.num_blocks
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Held block ids in logical order (a copy)."""
+        return self._table.block_ids
+
+    @property
+    def block_table(self) -> BlockTable:
+        """The block table itself (read it; do not change it)."""
+        return self._table
+
+    def keys(self) -> npt.NDArray[Any]:
+        """The cached keys in logical order, ``(len, *k.shape)`` (a copy)."""
+        return self._entries(0)
+
+    def values(self) -> npt.NDArray[Any]:
+        """The cached values in logical order, ``(len, *v.shape)`` (a copy)."""
+        return self._entries(1)
+
+    # --------------------------------------------------------------- commands
+
+    def attend(self, q: Any, k: Any, v: Any) -> Any:
+        """Append ``k``/``v``, evict past ``max_size``, and attend ``q`` over the cache.
+
+        Args:
+            q: the query, ``(head_dim,)`` or ``(num_q_heads, head_dim)``.
+            k: the new key, ``(head_dim,)`` or ``(num_kv_heads, head_dim)``;
+                ``num_kv_heads`` must divide ``num_q_heads``.
+            v: the new value, shaped like ``k``.
+
+        Returns:
+            The output, shaped like ``q``: a list of Python floats when ``q`` is a
+            list (or tuple), otherwise a new numpy array of the cache's dtype.
+
+        Raises:
+            ClosedCacheError: the cache was closed.
+            InputTypeError, ShapeError, NonFiniteError: bad ``q``, ``k`` or ``v``.
+            PoolExhaustedError: a shared pool has no free block for the entry.
+
+        On any error the cache and its pool are exactly as before the call.
+        """
+        if self._closed:
+            raise ClosedCacheError("this KVCache is closed; create a new one")
+        query, q_is_list = as_vectors("q", q, self._dtype)
+        key, _ = as_vectors("k", k, self._dtype)
+        value, _ = as_vectors("v", v, self._dtype)
+        self._check_shapes(query, key, value)
+        key_abs = float(np.abs(key).max())
+        self._check_overflow(query, max(self._max_abs_key, key_abs))
+
+        table = self._table
+        window_start = table.window_start
+        if self._max_size is not None:
+            window_start = table.num_tokens + 1 - self._max_size
+        num_new = table.num_new_blocks(1)
+        if num_new and not self._private:
+            assert self._pool is not None
+            num_free = self._pool.num_free_blocks + table.num_blocks_released_by(window_start)
+            if num_free < 1:
+                raise PoolExhaustedError(1, 0, self._pool.num_blocks)
+        # ---- validated: from here on nothing can fail ----
+        if self._pool is None:
+            self._create_private_pool(key.shape)
+        pool = self._pool
+        assert pool is not None
+        if self._kv_shape is None:
+            self._kv_shape = key.shape
+        self._max_abs_key = max(self._max_abs_key, key_abs)
+        released = table.evict_to(window_start)
+        if released:
+            pool.allocator.free(released)
+        new_ids = [self._take_block(pool)] if num_new else []
+        offset = table.num_tokens % self._block_size
+        table.append(1, new_ids)
+        heads = (pool.num_kv_heads, pool.head_dim)
+        pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
+        keys, values = pool.gather(0, table)
+        out = attend_dense(query.reshape(-1, pool.head_dim), keys, values, self._scale)
+        out = out.reshape(query.shape)
+        return out.tolist() if q_is_list else out
+
+    def clear(self) -> None:
+        """Drop every entry and give every block back to the pool; the cache stays usable."""
+        if self._pool is None:
+            return
+        if self._private:
+            # Oldest first keeps a private pool's free queue in id order.
+            released = self._table.clear()[::-1]
+        else:
+            released = self._table.clear()
+        self._pool.allocator.free(released)
+        self._max_abs_key = 0.0
+
+    def close(self) -> None:
+        """Give every block back and refuse further use; calling it again does nothing."""
+        if self._closed:
+            return
+        self.clear()
+        self._closed = True
+        if self._pool is not None:
+            self._pool.detach(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._private:
+            self._pool = None
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        table = self._table
+        table.check_invariants()
+        if self._max_size is not None:
+            if len(self) > self._max_size:
+                raise AssertionError(f"{len(self)} entries cached, max_size {self._max_size}")
+            expected = min(table.num_tokens, self._max_size)
+            limit = -(-self._max_size // self._block_size) + 1
+            if table.num_blocks > limit:
+                raise AssertionError(f"{table.num_blocks} blocks held, at most {limit} allowed")
+        else:
+            expected = table.num_tokens
+        if len(self) != expected:
+            raise AssertionError(f"{len(self)} entries cached, expected {expected}")
+        if self._closed and table.num_blocks:
+            raise AssertionError("a closed cache still holds blocks")
+        if self._pool is not None:
+            self._pool.check_invariants()
+
+    # ---------------------------------------------------------------- private
+
+    def _held_block_ids(self) -> list[int]:
+        return self._table.block_ids
+
+    def _attach(self, pool: KVPool) -> None:
+        pool.attach(self)
+        if not self._private:
+            self._finalizer = weakref.finalize(self, _release, pool.allocator, self._table)
+
+    def _check_shapes(
+        self, query: npt.NDArray[Any], key: npt.NDArray[Any], value: npt.NDArray[Any]
+    ) -> None:
+        if key.shape != value.shape:
+            raise ShapeError(f"k and v must have the same shape, got {key.shape} and {value.shape}")
+        if query.ndim != key.ndim:
+            raise ShapeError(
+                f"q and k must both be (head_dim,) or both (num_heads, head_dim), "
+                f"got q {query.shape} and k {key.shape}"
+            )
+        if query.shape[-1] != key.shape[-1]:
+            raise ShapeError(f"q has head_dim {query.shape[-1]} but k has {key.shape[-1]}")
+        if query.ndim == 2 and query.shape[0] % key.shape[0]:
+            raise ShapeError(
+                f"num_q_heads={query.shape[0]} is not a multiple of num_kv_heads={key.shape[0]}"
+            )
+        if self._kv_shape is not None and key.shape != self._kv_shape:
+            raise ShapeError(f"this cache holds k/v of shape {self._kv_shape}, got {key.shape}")
+        if self._kv_shape is None and self._pool is not None:
+            expected = (self._pool.num_kv_heads, self._pool.head_dim)
+            got = key.shape if key.ndim == 2 else (1, key.shape[0])
+            if got != expected:
+                raise ShapeError(
+                    f"the pool stores (num_kv_heads, head_dim)={expected}, got k of shape {key.shape}"
+                )
+
+    def _check_overflow(self, query: npt.NDArray[Any], max_abs_key: float) -> None:
+        # |scale * q.k| <= |scale| * sum|q| * max|k|; keep it far below the dtype's
+        # maximum so no score, and no partial sum of one, can overflow.
+        bound = abs(self._scale) * float(np.abs(query).sum(axis=-1).max()) * max_abs_key
+        limit = float(np.finfo(self._dtype).max) / 16
+        if bound > limit:
+            raise NonFiniteError(
+                f"attention scores could reach {bound:.3g}, beyond what {self._dtype} holds "
+                f"safely ({limit:.3g}); scale q or k down"
+            )
+
+    def _create_private_pool(self, kv_shape: tuple[int, ...]) -> None:
+        num_kv_heads, head_dim = kv_shape if len(kv_shape) == 2 else (1, kv_shape[0])
+        if self._max_size is not None:
+            # Twice the window's blocks: room to re-lay the window in one run (_compact).
+            num_blocks = 2 * (-(-self._max_size // self._block_size) + 1)
+            num_blocks = min(num_blocks, 64)
+        else:
+            num_blocks = 4
+        self._pool = KVPool(
+            num_blocks,
+            block_size=self._block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=self._dtype,
+            growable=True,
+        )
+        self._attach(self._pool)
+
+    def _take_block(self, pool: KVPool) -> int:
+        if not self._private:
+            return pool.allocator.allocate_one()
+        table = self._table
+        if pool.allocator.num_free_blocks == 0:
+            pool.grow(pool.num_blocks)
+        if table.num_window_blocks and (
+            not table.is_one_run
+            or pool.allocator.next_free_block_id() != table.last_block_id + 1
+        ):
+            self._compact(pool)
+        return pool.allocator.allocate_one()
+
+    def _compact(self, pool: KVPool) -> None:
+        """Re-lay a private pool so the held blocks are ids ``0 .. k-1``, in order.
+
+        NOTE: attention reads a table whose ids are one run as an array view,
+        and must gather any other table (measured 3-4x slower, see
+        benchmarks/). A private pool belongs to this cache alone, so its blocks
+        can move: when the next free id would break the run, copy the window to
+        the front. It costs one block copy per block appended, amortized,
+        because the pool keeps at least twice the window's blocks.
+        """
+        held = self._table.block_ids
+        num_held = len(held)
+        if pool.num_blocks < 2 * num_held + 1:
+            pool.grow(2 * num_held + 1 - pool.num_blocks)
+        keys, values = pool.keys(0), pool.values(0)
+        moved_keys = keys[:, held]
+        moved_values = values[:, held]
+        pool.allocator = BlockAllocator(pool.num_blocks)
+        new_ids = pool.allocator.allocate(num_held)
+        keys[:, :num_held] = moved_keys
+        values[:, :num_held] = moved_values
+        self._table.replace_all(new_ids)
+
+    def _entries(self, which: int) -> npt.NDArray[Any]:
+        if self._pool is None or self._kv_shape is None or len(self) == 0:
+            shape = (0, *self._kv_shape) if self._kv_shape is not None else (0, 0)
+            return np.empty(shape, self._dtype)
+        keys, values = self._pool.gather(0, self._table)
+        chosen = keys if which == 0 else values
+        return np.ascontiguousarray(chosen.transpose(1, 0, 2)).reshape(len(self), *self._kv_shape)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"len={len(self)}, num_blocks={self.num_blocks}"
+        return f"KVCache(max_size={self._max_size}, block_size={self._block_size}, {state})"

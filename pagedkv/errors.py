@@ -1,0 +1,92 @@
+"""The errors pagedkv raises.
+
+Every error derives from :class:`PagedKVError` *and* from the builtin that fits
+it best, so callers may catch either ``pagedkv.PoolExhaustedError`` or plain
+``MemoryError``. Every operation that raises leaves the cache, the pool and
+every sequence exactly as they were before the call.
+
+>>> from pagedkv.errors import PoolExhaustedError
+>>> issubclass(PoolExhaustedError, MemoryError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PagedKVError",
+    "ConfigError",
+    "InputTypeError",
+    "ShapeError",
+    "NonFiniteError",
+    "PoolExhaustedError",
+    "DoubleFreeError",
+    "UnknownBlockError",
+    "ClosedCacheError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "SequenceStateError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises on purpose."""
+
+
+class ConfigError(PagedKVError, ValueError):
+    """A configuration value (``max_size``, ``block_size``, a pool size...) is invalid."""
+
+
+class InputTypeError(PagedKVError, TypeError):
+    """An argument has the wrong type: a string, ``None``, a complex number, a bool..."""
+
+
+class ShapeError(PagedKVError, ValueError):
+    """An array has the wrong number of dimensions or a size that does not fit."""
+
+
+class NonFiniteError(PagedKVError, ValueError):
+    """An input holds NaN or infinity, or is so large that attention scores would overflow."""
+
+
+class PoolExhaustedError(PagedKVError, MemoryError):
+    """The pool has fewer free blocks than an operation needs.
+
+    Attributes:
+        num_needed: blocks the operation needed.
+        num_free: blocks that were free.
+        num_total: blocks in the pool.
+    """
+
+    def __init__(self, num_needed: int, num_free: int, num_total: int, hint: str = "") -> None:
+        self.num_needed = num_needed
+        self.num_free = num_free
+        self.num_total = num_total
+        hint = hint or "free or close a sequence, or give the pool more blocks"
+        super().__init__(
+            f"need {num_needed} block{'s' if num_needed != 1 else ''}, "
+            f"{num_free} free of {num_total}; {hint}"
+        )
+
+
+class DoubleFreeError(PagedKVError, RuntimeError):
+    """A block was freed while its reference count was already zero."""
+
+
+class UnknownBlockError(PagedKVError, LookupError):
+    """A block id is not an id of this pool."""
+
+
+class ClosedCacheError(PagedKVError, RuntimeError):
+    """An operation was attempted on a cache that has been closed."""
+
+
+class UnknownSequenceError(PagedKVError, LookupError):
+    """A sequence id is not (or no longer) known to the manager."""
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """A sequence id is already in use."""
+
+
+class SequenceStateError(PagedKVError, RuntimeError):
+    """A sequence is in the wrong state for the operation (preempted, empty, unreserved...)."""

@@ -1,0 +1,121 @@
+"""Checking and converting what callers pass in: vectors, sizes, scales.
+
+Everything here only reads its arguments; callers validate every input before
+they change any state, which is how a failed call leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeError
+
+__all__ = ["as_vectors", "check_max_size", "check_scale", "check_count"]
+
+
+def as_vectors(
+    name: str, value: Any, dtype: np.dtype[Any], *, ndims: tuple[int, ...] = (1, 2)
+) -> tuple[npt.NDArray[Any], bool]:
+    """Convert ``value`` (a list or an array of real numbers) to an array of ``dtype``.
+
+    Args:
+        name: the argument's name, quoted in error messages.
+        value: a (nested) list or tuple of real numbers, or a numpy array.
+        dtype: the float dtype to convert to.
+        ndims: the numbers of dimensions allowed.
+
+    Returns:
+        ``(array, came_as_list)``; the array is a new or existing array of ``dtype``.
+
+    Raises:
+        InputTypeError: strings, ``None``, bools, complex numbers or other objects.
+        ShapeError: ragged lists, a disallowed number of dimensions, or no values.
+        NonFiniteError: NaN or infinity, including values that overflow ``dtype``.
+
+    >>> as_vectors("q", [1, 2.5], np.dtype(np.float64))
+    (array([1. , 2.5]), True)
+    """
+    came_as_list = isinstance(value, (list, tuple))
+    if isinstance(value, np.ndarray):
+        array = value
+    elif came_as_list:
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as error:
+            raise ShapeError(f"{name} must be a rectangular list of numbers: {error}") from error
+    else:
+        raise InputTypeError(
+            f"{name} must be a list or numpy array of real numbers, got {type(value).__name__}"
+        )
+    kind = array.dtype.kind
+    if kind not in "fiu":
+        what = {"b": "bools", "c": "complex numbers", "U": "strings", "S": "bytes", "O": "objects"}
+        raise InputTypeError(
+            f"{name} must hold real numbers, got {what.get(kind, str(array.dtype))} "
+            f"(dtype {array.dtype})"
+        )
+    if array.ndim not in ndims:
+        allowed = " or ".join(str(n) for n in ndims)
+        raise ShapeError(f"{name} must have {allowed} dimensions, got shape {array.shape}")
+    if array.size == 0:
+        raise ShapeError(f"{name} is empty (shape {array.shape}); each head needs head_dim >= 1 values")
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = array.astype(dtype, copy=False)
+    if not np.isfinite(converted).all():
+        bad = converted[~np.isfinite(converted)].flat[0]
+        raise NonFiniteError(
+            f"{name} holds {bad} in {dtype}; every value must be finite"
+            + ("" if not np.isfinite(array).all() else f" (it overflows {dtype})")
+        )
+    return converted, came_as_list
+
+
+def check_max_size(max_size: object) -> int | None:
+    """Validate a window size: ``None`` (unbounded) or a positive int.
+
+    Raises:
+        InputTypeError: a bool, float, string or other non-int.
+        ConfigError: zero or negative.
+    """
+    if max_size is None:
+        return None
+    if isinstance(max_size, (bool, np.bool_)) or not isinstance(max_size, (int, np.integer)):
+        raise InputTypeError(
+            f"max_size must be None or a positive int, got {max_size!r} "
+            f"({type(max_size).__name__})"
+        )
+    if max_size < 1:
+        raise ConfigError(f"max_size must be None or a positive int, got {max_size}")
+    return int(max_size)
+
+
+def check_count(name: str, value: object, *, minimum: int = 1) -> int:
+    """Validate an int count that must be at least ``minimum``.
+
+    Raises:
+        InputTypeError: not an int (bools included).
+        ConfigError: below ``minimum``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InputTypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_scale(scale: object) -> float:
+    """Validate a softmax scale: a finite real number.
+
+    Raises:
+        InputTypeError: not a real number (bools included).
+        NonFiniteError: NaN or infinity.
+    """
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise InputTypeError(f"scale must be a real number, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise NonFiniteError(f"scale must be finite, got {scale}")
+    return float(scale)

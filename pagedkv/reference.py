@@ -1,0 +1,82 @@
+"""The no-cache recompute: what a cache must equal, bit for bit.
+
+At every step it rebuilds dense arrays of the tokens inside the window from
+scratch, with no blocks, tables or pools, and runs the same kernel as the
+cache (:func:`pagedkv.attention.attend_dense`). A paged result that differs
+from it in a single bit is a bug in the paging, never rounding.
+
+>>> recompute([[1.0], [1.0]], [[1.0], [2.0]], [[42.0], [0.0]], max_size=1)
+[[42.0], [0.0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.attention import attend_dense
+
+__all__ = ["attend_window", "recompute"]
+
+
+def attend_window(
+    query: Any,
+    keys: Sequence[Any],
+    values: Sequence[Any],
+    *,
+    scale: float = 1.0,
+    dtype: npt.DTypeLike = np.float64,
+) -> npt.NDArray[Any]:
+    """Attend ``query`` over exactly ``keys``/``values`` (the window, oldest first).
+
+    Args:
+        query: ``(head_dim,)`` or ``(num_q_heads, head_dim)``.
+        keys: one ``(head_dim,)`` or ``(num_kv_heads, head_dim)`` key per token.
+        values: one value per token, shaped like the keys.
+        scale: multiplies every score.
+        dtype: the dtype the cache stores and computes in.
+
+    Returns:
+        A new array shaped like ``query``.
+    """
+    q = np.asarray(query, dtype=dtype)
+    dense_keys = np.asarray(keys, dtype=dtype)
+    dense_values = np.asarray(values, dtype=dtype)
+    num_tokens, head_dim = dense_keys.shape[0], dense_keys.shape[-1]
+    # (num_tokens, num_kv_heads, head_dim) -> (num_kv_heads, num_tokens, head_dim), contiguous
+    dense_keys = np.ascontiguousarray(dense_keys.reshape(num_tokens, -1, head_dim).transpose(1, 0, 2))
+    dense_values = np.ascontiguousarray(
+        dense_values.reshape(num_tokens, -1, head_dim).transpose(1, 0, 2)
+    )
+    out = attend_dense(q.reshape(-1, head_dim), dense_keys, dense_values, scale)
+    return out.reshape(q.shape)
+
+
+def recompute(
+    queries: Sequence[Any],
+    keys: Sequence[Any],
+    values: Sequence[Any],
+    *,
+    max_size: int | None = None,
+    scale: float = 1.0,
+    dtype: npt.DTypeLike = np.float64,
+) -> list[Any]:
+    """Full causal attention at every step of a token stream, without a cache.
+
+    Step ``t`` attends ``queries[t]`` over tokens ``max(0, t + 1 - max_size) .. t``.
+
+    Returns:
+        One output per step: lists of floats when the queries are lists,
+        arrays otherwise.
+    """
+    outputs = []
+    for step, query in enumerate(queries):
+        start = 0 if max_size is None else max(0, step + 1 - max_size)
+        out = attend_window(
+            query, keys[start : step + 1], values[start : step + 1], scale=scale, dtype=dtype
+        )
+        outputs.append(out.tolist() if isinstance(query, (list, tuple)) else out)
+    return outputs
