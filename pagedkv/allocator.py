@@ -38,7 +38,7 @@ class BlockAllocator:
     (3, 1)
     """
 
-    __slots__ = ("_num_blocks", "_ref_counts", "_free")
+    __slots__ = ("_free", "_num_blocks", "_ref_counts")
 
     def __init__(self, num_blocks: int) -> None:
         """Create a pool of ``num_blocks`` free blocks with ids ``0 .. num_blocks - 1``.

@@ -49,7 +49,8 @@ def attend_dense(
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     out = np.matmul(scores, values)  # (num_kv_heads, group, head_dim)
-    return out.reshape(query.shape)
+    result: npt.NDArray[np.floating] = out.reshape(query.shape)
+    return result
 
 
 def attend_dense_causal(
@@ -96,4 +97,5 @@ def attend_dense_causal(
     scores = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
     out = np.matmul(scores, values)  # (num_kv_heads, num_queries*group, head_dim)
     out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(num_queries, num_q_heads, head_dim)
+    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
+    return result

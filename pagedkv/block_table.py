@@ -24,6 +24,7 @@ starts after them.
 from __future__ import annotations
 
 from collections import deque
+from itertools import pairwise
 
 __all__ = ["BlockTable"]
 
@@ -55,15 +56,15 @@ class BlockTable:
     """
 
     __slots__ = (
+        "_first_block",
+        "_ids",
+        "_num_breaks",
+        "_sink_ids",
         "block_size",
-        "num_sink_tokens",
         "num_sink_blocks",
+        "num_sink_tokens",
         "num_tokens",
         "window_start",
-        "_sink_ids",
-        "_ids",
-        "_first_block",
-        "_num_breaks",
     )
 
     def __init__(self, block_size: int, num_sink_tokens: int = 0) -> None:
@@ -228,7 +229,7 @@ class BlockTable:
         self._sink_ids = list(block_ids[:num_sink])
         self._ids = deque(block_ids[num_sink:])
         window = list(self._ids)
-        self._num_breaks = sum(1 for a, b in zip(window, window[1:]) if a + 1 != b)
+        self._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
         return old
 
     def clear(self) -> list[int]:
@@ -286,7 +287,7 @@ class BlockTable:
                 f"window_start {self.window_start} outside [{self.num_sink_tokens}, {self.num_tokens}]"
             )
         window = list(self._ids)
-        breaks = sum(1 for a, b in zip(window, window[1:]) if a + 1 != b)
+        breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
         if breaks != self._num_breaks:
             raise AssertionError(f"run breaks counted {self._num_breaks}, actual {breaks}")
 

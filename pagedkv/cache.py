@@ -21,7 +21,13 @@ import numpy.typing as npt
 from pagedkv.allocator import BlockAllocator
 from pagedkv.attention import attend_dense
 from pagedkv.block_table import BlockTable
-from pagedkv.errors import ClosedCacheError, ConfigError, NonFiniteError, PoolExhaustedError, ShapeError
+from pagedkv.errors import (
+    ClosedCacheError,
+    ConfigError,
+    NonFiniteError,
+    PoolExhaustedError,
+    ShapeError,
+)
 from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
 from pagedkv.pool import KVPool, storage_dtype
 
@@ -239,11 +245,11 @@ class KVCache:
         """Drop every entry and give every block back to the pool; the cache stays usable."""
         if self._pool is None:
             return
+        # Tail first on a shared pool (as vLLM frees); oldest first on a private
+        # pool, which keeps its free queue in id order for one-run tables.
+        released = self._table.clear()
         if self._private:
-            # Oldest first keeps a private pool's free queue in id order.
-            released = self._table.clear()[::-1]
-        else:
-            released = self._table.clear()
+            released.reverse()
         self._pool.allocator.free(released)
         self._max_abs_key = 0.0
 

@@ -15,7 +15,7 @@ from pagedkv.cache import KVCache
 from pagedkv.pool import KVPool
 from pagedkv.reference import attend_window
 
-__all__ = ["run_demo", "page_map"]
+__all__ = ["page_map", "run_demo"]
 
 
 def page_map(pool: KVPool, caches: dict[str, KVCache], just_freed: set[int] | None = None) -> str:

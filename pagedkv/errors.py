@@ -13,18 +13,18 @@ True
 from __future__ import annotations
 
 __all__ = [
-    "PagedKVError",
-    "ConfigError",
-    "InputTypeError",
-    "ShapeError",
-    "NonFiniteError",
-    "PoolExhaustedError",
-    "DoubleFreeError",
-    "UnknownBlockError",
     "ClosedCacheError",
-    "UnknownSequenceError",
+    "ConfigError",
+    "DoubleFreeError",
     "DuplicateSequenceError",
+    "InputTypeError",
+    "NonFiniteError",
+    "PagedKVError",
+    "PoolExhaustedError",
     "SequenceStateError",
+    "ShapeError",
+    "UnknownBlockError",
+    "UnknownSequenceError",
 ]
 
 

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeError
 
-__all__ = ["as_vectors", "check_max_size", "check_scale", "check_count"]
+__all__ = ["as_vectors", "check_count", "check_max_size", "check_scale"]
 
 
 def as_vectors(

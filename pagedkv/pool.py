@@ -24,7 +24,7 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError
 
-__all__ = ["KVPool", "SUPPORTED_DTYPES"]
+__all__ = ["SUPPORTED_DTYPES", "KVPool"]
 
 #: Storage dtypes a float pool accepts (quantized storage is a separate option).
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -46,7 +46,7 @@ def storage_dtype(dtype: object) -> np.dtype[np.floating]:
         raise InputTypeError(f"dtype must be float32 or float64, got {dtype!r}") from error
     if resolved not in SUPPORTED_DTYPES:
         raise ConfigError(f"dtype must be float32 or float64, got {resolved}")
-    return resolved
+    return resolved  # type: ignore[no-any-return]
 
 
 class KVPool:

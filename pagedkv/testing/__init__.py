@@ -1,0 +1,1 @@
+"""Test kit for KV caches: the naive oracle, Hypothesis strategies and a state machine."""
