@@ -10,6 +10,7 @@ changing an output, only the work it costs.
 """
 
 from pagedkv.allocator import BlockAllocator
+from pagedkv.batch import Batch, ReservationPlan
 from pagedkv.block_table import BlockTable
 from pagedkv.cache import KVCache
 from pagedkv.errors import (
@@ -18,6 +19,7 @@ from pagedkv.errors import (
     DoubleFreeError,
     DuplicateSequenceError,
     InputTypeError,
+    LayerIndexError,
     NonFiniteError,
     PagedKVError,
     PoolExhaustedError,
@@ -26,11 +28,14 @@ from pagedkv.errors import (
     UnknownBlockError,
     UnknownSequenceError,
 )
+from pagedkv.manager import KVCacheManager, SequenceState
+from pagedkv.metrics import ManagerMetrics
 from pagedkv.pool import KVPool
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
     "BlockAllocator",
     "BlockTable",
     "ClosedCacheError",
@@ -39,10 +44,15 @@ __all__ = [
     "DuplicateSequenceError",
     "InputTypeError",
     "KVCache",
+    "KVCacheManager",
     "KVPool",
+    "LayerIndexError",
+    "ManagerMetrics",
     "NonFiniteError",
     "PagedKVError",
     "PoolExhaustedError",
+    "ReservationPlan",
+    "SequenceState",
     "SequenceStateError",
     "ShapeError",
     "UnknownBlockError",

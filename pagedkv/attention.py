@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["attend_dense", "attend_dense_causal"]
+__all__ = ["attend_dense", "attend_dense_masked", "attend_padded"]
 
 
 def attend_dense(
@@ -53,25 +53,28 @@ def attend_dense(
     return result
 
 
-def attend_dense_causal(
+def attend_dense_masked(
     queries: npt.NDArray[np.floating],
     keys: npt.NDArray[np.floating],
     values: npt.NDArray[np.floating],
-    first_positions: npt.NDArray[np.intp],
+    visible: npt.NDArray[np.bool_],
     scale: float = 1.0,
 ) -> npt.NDArray[np.floating]:
-    """Many query tokens at once, each over its own prefix of the keys.
+    """Many query tokens at once, each over the keys its row of ``visible`` allows.
 
-    Query token ``t`` attends to key indices ``first_positions[t] .. num_queries_end``
-    where the end is ``num_tokens - num_queries + t + 1`` (the causal rule:
-    the last query is the newest key). Masked keys get weight exactly zero.
+    Used for chunked prefill: query ``t`` sees key ``j`` iff ``visible[t, j]``
+    (causal order, a sliding window and sinks all become this mask). Masked
+    keys get weight exactly zero. Every row must see at least one key.
+
+    NOTE: the masked softmax sums over every key, zeros included, so its
+    rounding can differ from :func:`attend_dense` over only the visible keys;
+    the two agree within the tolerance documented in ``docs/design.md``.
 
     Args:
         queries: ``(num_queries, num_q_heads, head_dim)``.
         keys: ``(num_kv_heads, num_tokens, head_dim)``.
         values: same shape as ``keys``.
-        first_positions: ``(num_queries,)`` first key index each query may see
-            (a sliding window); zero for plain causal attention.
+        visible: ``(num_queries, num_tokens)`` booleans.
         scale: multiplies every score before the softmax.
 
     Returns:
@@ -80,22 +83,60 @@ def attend_dense_causal(
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    # (num_kv_heads, num_queries * group, head_dim)
+    # (num_kv_heads, num_queries * group, head_dim): query heads grouped by the kv head they read
     grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
-    scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (num_kv_heads, num_queries*group, num_tokens)
+    scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (num_kv_heads, num_queries * group, num_tokens)
     scores = scores.reshape(num_kv_heads, num_queries, group, num_tokens)
     if scale != 1.0:
         scores *= scale
-    key_index = np.arange(num_tokens)
-    last = num_tokens - num_queries + np.arange(num_queries)  # (num_queries,)
-    visible = (key_index[None, :] <= last[:, None]) & (key_index[None, :] >= first_positions[:, None])
     scores = np.where(visible[None, :, None, :], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    scores = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
-    out = np.matmul(scores, values)  # (num_kv_heads, num_queries*group, head_dim)
+    weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
+    out = np.matmul(weights, values)  # (num_kv_heads, num_queries * group, head_dim)
     out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
     result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
+    return result
+
+
+def attend_padded(
+    queries: npt.NDArray[np.floating],
+    keys: npt.NDArray[np.floating],
+    values: npt.NDArray[np.floating],
+    lengths: npt.NDArray[np.intp],
+    scale: float = 1.0,
+) -> npt.NDArray[np.floating]:
+    """One decode token for each of many sequences, padded to the longest, in one call.
+
+    Sequence ``b`` attends to its first ``lengths[b]`` keys; padding gets
+    weight exactly zero. Equal to :func:`attend_dense` per sequence within
+    the documented tolerance (the padded sums round differently).
+
+    Args:
+        queries: ``(num_seqs, num_q_heads, head_dim)``.
+        keys: ``(num_kv_heads, num_seqs, max_len, head_dim)``.
+        values: same shape as ``keys``.
+        lengths: ``(num_seqs,)`` real keys per sequence, each >= 1.
+        scale: multiplies every score before the softmax.
+
+    Returns:
+        A new ``(num_seqs, num_q_heads, head_dim)`` array.
+    """
+    num_seqs, num_q_heads, head_dim = queries.shape
+    num_kv_heads, _, max_len, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    # (num_kv_heads, num_seqs, group, head_dim)
+    grouped = queries.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    scores = np.matmul(grouped, keys.transpose(0, 1, 3, 2))  # (num_kv_heads, num_seqs, group, max_len)
+    if scale != 1.0:
+        scores *= scale
+    real = np.arange(max_len)[None, :] < lengths[:, None]  # (num_seqs, max_len)
+    scores = np.where(real[None, :, None, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, values)  # (num_kv_heads, num_seqs, group, head_dim)
+    result: npt.NDArray[np.floating] = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_q_heads, head_dim)
     return result

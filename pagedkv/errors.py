@@ -18,6 +18,7 @@ __all__ = [
     "DoubleFreeError",
     "DuplicateSequenceError",
     "InputTypeError",
+    "LayerIndexError",
     "NonFiniteError",
     "PagedKVError",
     "PoolExhaustedError",
@@ -74,6 +75,10 @@ class DoubleFreeError(PagedKVError, RuntimeError):
 
 class UnknownBlockError(PagedKVError, LookupError):
     """A block id is not an id of this pool."""
+
+
+class LayerIndexError(PagedKVError, IndexError):
+    """A layer index is outside ``0 .. num_layers - 1``."""
 
 
 class ClosedCacheError(PagedKVError, RuntimeError):

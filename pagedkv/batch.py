@@ -1,0 +1,78 @@
+"""What one forward step works on: the reserved slots of a batch of sequences.
+
+``KVCacheManager.reserve`` returns a :class:`Batch`; every layer's ``write``
+and ``attend`` take it. Tokens of all sequences are flattened in batch order,
+as in vLLM::
+
+    batch: seq "a" gets 3 new tokens, seq "b" gets 1
+    token index      0    1    2  | 3
+    seq              a    a    a  | b
+    query_start      0            3     4      (cumulative, length num_seqs + 1)
+    slot_mapping    [20, 21, 22,    9]         slot = block_id * block_size + offset
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Batch", "ReservationPlan"]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Slots reserved for new tokens of several sequences; valid until they are written.
+
+    Attributes:
+        seq_ids: the sequences, in the order their tokens are laid out.
+        num_new_tokens: new tokens per sequence.
+        first_positions: logical index of each sequence's first new token.
+        query_start: ``(num_seqs + 1,)`` offsets of each sequence's tokens in
+            the flattened token dimension.
+        slot_mapping: ``(num_tokens,)`` int64 slot of every new token
+            (``block_id * block_size + offset``), vLLM's slot mapping.
+        reservation_ids: the manager's stamp per sequence; a batch whose stamp
+            no longer matches (the sequence was freed, preempted or reserved
+            again) is refused.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    num_new_tokens: tuple[int, ...]
+    first_positions: tuple[int, ...]
+    query_start: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    reservation_ids: tuple[int, ...] = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens across the whole batch (the flattened token dimension)."""
+        return int(self.query_start[-1])
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.seq_ids)
+
+
+@dataclass(frozen=True)
+class ReservationPlan:
+    """What ``reserve`` would do, computed without doing it.
+
+    Attributes:
+        fits: whether the reservation would succeed now.
+        num_new_blocks: blocks it would take from the pool (new blocks plus
+            copy-on-write copies); exactly what ``reserve`` then takes.
+        num_copy_on_write: of those, copies of shared, partly filled blocks.
+        num_released_blocks: blocks that would go back to the pool first
+            (wholly outside every window, and held by no one else).
+        num_free_blocks: free blocks now.
+    """
+
+    fits: bool
+    num_new_blocks: int
+    num_copy_on_write: int
+    num_released_blocks: int
+    num_free_blocks: int
