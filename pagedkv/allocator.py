@@ -7,8 +7,8 @@ pairs it with the arrays the ids index.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable
 
 from pagedkv.errors import ConfigError, DoubleFreeError, PoolExhaustedError, UnknownBlockError
 
@@ -25,10 +25,20 @@ class BlockAllocator:
     its own gets consecutive ids back in order, which lets attention read its
     blocks as one array view instead of gathering them (see ``pagedkv.cache``).
 
+    Prefix caching (:mod:`pagedkv.prefix_cache`) marks blocks whose contents
+    are worth keeping as *cached*. A cached block whose ref count drops to zero
+    waits in a second queue, in least-recently-freed order, where a prefix hit
+    can take it back (``revive``). Allocation hands out plain free blocks
+    first and evicts cached ones, oldest first, only when none are left,
+    telling the prefix cache through ``on_evict`` so the key is dropped the
+    moment the block is reused.
+
     Invariants:
-        * every id in ``range(num_blocks)`` is either free (ref count 0, in the
-          free queue exactly once) or used (ref count >= 1, not in the queue);
-        * ``num_free_blocks + num_used_blocks == num_blocks``.
+        * every id in ``range(num_blocks)`` is in exactly one state: used (ref
+          count >= 1), plain free (ref count 0, in the free queue once, not
+          cached), or cached free (ref count 0, in the cached queue, cached);
+        * ``num_free_blocks + num_used_blocks == num_blocks``, where the free
+          blocks are the plain and the cached free ones.
 
     >>> alloc = BlockAllocator(4)
     >>> alloc.allocate(2)
@@ -38,7 +48,7 @@ class BlockAllocator:
     (3, 1)
     """
 
-    __slots__ = ("_free", "_num_blocks", "_ref_counts")
+    __slots__ = ("_cached", "_cached_free", "_free", "_num_blocks", "_ref_counts", "on_evict")
 
     def __init__(self, num_blocks: int) -> None:
         """Create a pool of ``num_blocks`` free blocks with ids ``0 .. num_blocks - 1``.
@@ -54,6 +64,12 @@ class BlockAllocator:
         self._num_blocks = num_blocks
         self._ref_counts: list[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        #: Blocks marked cached by the prefix cache, used or free.
+        self._cached: set[int] = set()
+        #: Cached blocks with ref count 0, least recently freed first.
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        #: Called with a cached block's id when allocation evicts it for reuse.
+        self.on_evict: Callable[[int], None] | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -64,13 +80,18 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        """How many blocks can be allocated right now."""
-        return len(self._free)
+        """How many blocks can be allocated right now (plain and cached free ones)."""
+        return len(self._free) + len(self._cached_free)
 
     @property
     def num_used_blocks(self) -> int:
         """How many blocks have a ref count of at least one."""
-        return self._num_blocks - len(self._free)
+        return self._num_blocks - len(self._free) - len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks whose cached contents a prefix hit can still take back."""
+        return len(self._cached_free)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``allocate(num_blocks)`` would succeed now.
@@ -78,7 +99,15 @@ class BlockAllocator:
         >>> BlockAllocator(2).can_allocate(3)
         False
         """
-        return 0 <= num_blocks <= len(self._free)
+        return 0 <= num_blocks <= len(self._free) + len(self._cached_free)
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` is marked cached (its contents are findable by key)."""
+        return block_id in self._cached
+
+    def cached_free_block_ids(self) -> list[int]:
+        """Cached free ids, the next to be evicted first (a copy)."""
+        return list(self._cached_free)
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``.
@@ -95,9 +124,11 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: no block is free.
         """
-        if not self._free:
-            raise PoolExhaustedError(1, 0, self._num_blocks)
-        return self._free[0]
+        if self._free:
+            return self._free[0]
+        if self._cached_free:
+            return next(iter(self._cached_free))
+        raise PoolExhaustedError(1, 0, self._num_blocks)
 
     def free_block_ids(self) -> list[int]:
         """The free ids in the order they will be handed out (a copy)."""
@@ -122,7 +153,11 @@ class BlockAllocator:
             raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         free = self._free
         if num_blocks > len(free):
-            raise PoolExhaustedError(num_blocks, len(free), self._num_blocks)
+            if num_blocks > len(free) + len(self._cached_free):
+                raise PoolExhaustedError(
+                    num_blocks, len(free) + len(self._cached_free), self._num_blocks
+                )
+            return [self.allocate_one() for _ in range(num_blocks)]
         pop = free.popleft
         block_ids = [pop() for _ in range(num_blocks)]
         ref_counts = self._ref_counts
@@ -136,14 +171,20 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: no block is free; nothing changes.
         """
-        if not self._free:
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._cached_free:
+            block_id = self._cached_free.popitem(last=False)[0]
+            self._cached.discard(block_id)
+            if self.on_evict is not None:
+                self.on_evict(block_id)
+        else:
             raise PoolExhaustedError(1, 0, self._num_blocks)
-        block_id = self._free.popleft()
         self._ref_counts[block_id] = 1
         return block_id
 
     def share(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each used block (a fork, or a prefix-cache hit).
+        """Add one reference to each used block (a fork, or a prefix hit on a used block).
 
         Raises:
             UnknownBlockError: an id is not an id of this pool.
@@ -183,10 +224,14 @@ class BlockAllocator:
                     f"{num_drops} time{'s' if num_drops != 1 else ''}; a block table freed it twice"
                 )
         append = self._free.append
+        cached = self._cached
         for block_id in block_ids:
             ref_counts[block_id] -= 1
             if ref_counts[block_id] == 0:
-                append(block_id)
+                if block_id in cached:
+                    self._cached_free[block_id] = None
+                else:
+                    append(block_id)
 
     def free_one(self, block_id: int) -> None:
         """Drop one reference from ``block_id``; the fast path of ``free([block_id])``."""
@@ -196,7 +241,49 @@ class BlockAllocator:
             raise DoubleFreeError(f"block {block_id} is already free; a block table freed it twice")
         self._ref_counts[block_id] = count - 1
         if count == 1:
+            if block_id in self._cached:
+                self._cached_free[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def mark_cached(self, block_id: int) -> None:
+        """Mark a used block as cached: when freed it waits to be revived or evicted.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+            DoubleFreeError: the block is free; only used blocks can be marked.
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise DoubleFreeError(f"block {block_id} is free; only used blocks can be marked cached")
+        self._cached.add(block_id)
+
+    def unmark_cached(self, block_id: int) -> None:
+        """Drop a block's cached mark; a cached free block becomes a plain free one.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+        """
+        self._check_id(block_id)
+        if block_id not in self._cached:
+            return
+        self._cached.discard(block_id)
+        if block_id in self._cached_free:
+            del self._cached_free[block_id]
             self._free.append(block_id)
+
+    def revive(self, block_id: int) -> None:
+        """Take a cached free block back into use (ref count 1): a prefix hit.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+            DoubleFreeError: the block is not a cached free block.
+        """
+        self._check_id(block_id)
+        if block_id not in self._cached_free:
+            raise DoubleFreeError(f"block {block_id} is not a cached free block; nothing to revive")
+        del self._cached_free[block_id]
+        self._ref_counts[block_id] = 1
 
     def grow(self, num_new_blocks: int) -> None:
         """Add ``num_new_blocks`` free blocks with the next ids; existing ids stay valid.
@@ -219,15 +306,22 @@ class BlockAllocator:
         free_set = set(free)
         if len(free_set) != len(free):
             raise AssertionError(f"a block is in the free queue twice: {sorted(free)}")
+        cached_free = set(self._cached_free)
+        if free_set & cached_free:
+            raise AssertionError(f"blocks {sorted(free_set & cached_free)} are in both free queues")
         for block_id in range(self._num_blocks):
             count = self._ref_counts[block_id]
             if count < 0:
                 raise AssertionError(f"block {block_id} has negative ref count {count}")
-            if (count == 0) != (block_id in free_set):
+            is_free = block_id in free_set or block_id in cached_free
+            if (count == 0) != is_free:
                 raise AssertionError(
-                    f"block {block_id} has ref count {count} but is "
-                    f"{'' if block_id in free_set else 'not '}in the free queue"
+                    f"block {block_id} has ref count {count} but is {'' if is_free else 'not '}free"
                 )
+            if block_id in cached_free and block_id not in self._cached:
+                raise AssertionError(f"block {block_id} waits in the cached queue but is not cached")
+            if block_id in free_set and block_id in self._cached:
+                raise AssertionError(f"block {block_id} is cached but in the plain free queue")
         if len(self._ref_counts) != self._num_blocks:
             raise AssertionError("ref count table and num_blocks disagree")
 

@@ -88,6 +88,32 @@ class BlockTable:
         # means the window part is one run, readable as an array view.
         self._num_breaks = 0
 
+    @classmethod
+    def restored(
+        cls,
+        block_size: int,
+        num_sink_tokens: int,
+        num_tokens: int,
+        window_start: int,
+        block_ids: list[int],
+    ) -> BlockTable:
+        """A table of ``num_tokens`` tokens whose held blocks are ``block_ids``.
+
+        ``block_ids`` are the sink blocks (as far as the tokens reach) followed
+        by the window blocks from the one holding ``window_start`` on; used
+        when a prefix-cache hit hands a new sequence existing blocks.
+        """
+        table = cls(block_size, num_sink_tokens)
+        num_sink = min(table.num_sink_blocks, _ceil_div(num_tokens, block_size))
+        table.num_tokens = num_tokens
+        table.window_start = max(num_sink_tokens, min(window_start, num_tokens))
+        table._sink_ids = list(block_ids[:num_sink])
+        table._ids = deque(block_ids[num_sink:])
+        table._first_block = _ceil_div(num_tokens, block_size) - len(table._ids)
+        window = list(table._ids)
+        table._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
+        return table
+
     # ---------------------------------------------------------------- queries
 
     @property

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
 from pagedkv.batch import Batch, ReservationPlan
 from pagedkv.block_table import BlockTable
 from pagedkv.errors import (
@@ -46,7 +45,16 @@ from pagedkv.errors import (
 )
 from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
 from pagedkv.metrics import ManagerMetrics
+from pagedkv.paged_attention import attend_decode_padded, attend_sequence, range_slots
 from pagedkv.pool import KVPool
+from pagedkv.prefix_cache import (
+    ROOT_KEY,
+    PrefixCache,
+    block_keys,
+    encode_extra_keys,
+    hash_function,
+    token_bytes,
+)
 
 __all__ = ["KVCacheManager", "SequenceState"]
 
@@ -60,7 +68,16 @@ class SequenceState(enum.Enum):
 
 
 class _Sequence:
-    __slots__ = ("num_written", "reservation_id", "seq_id", "state", "table")
+    __slots__ = (
+        "block_keys",
+        "extras",
+        "num_written",
+        "reservation_id",
+        "seq_id",
+        "state",
+        "table",
+        "token_ids",
+    )
 
     def __init__(self, seq_id: Hashable, table: BlockTable, num_layers: int) -> None:
         self.seq_id = seq_id
@@ -69,6 +86,17 @@ class _Sequence:
         #: Tokens whose k/v are written, per layer.
         self.num_written = [0] * num_layers
         self.reservation_id = 0
+        #: Prefix caching: every token id so far (None once a reservation gave
+        #: only a count), the chained key of each full logical block from 0,
+        #: and the encoded extra keys (salt, adapter, multimodal).
+        self.token_ids: list[int] | None = []
+        self.block_keys: list[bytes] = []
+        self.extras = b""
+
+    def copy_keys_from(self, other: _Sequence) -> None:
+        self.token_ids = None if other.token_ids is None else list(other.token_ids)
+        self.block_keys = list(other.block_keys)
+        self.extras = other.extras
 
     def pending_layers(self) -> list[int]:
         return [layer for layer, n in enumerate(self.num_written) if n != self.table.num_tokens]
@@ -116,6 +144,10 @@ class KVCacheManager:
             to ``num_kv_heads``.
         scale: multiplies every score.
         host_pool: a second pool, shaped like ``pool``, for swap preemption.
+        enable_prefix_caching: key full blocks by their prefix and share them
+            between sequences (see :mod:`pagedkv.prefix_cache`).
+        hash_algorithm: ``"sha256"`` (default, collision resistant) or
+            ``"xxh3_128"`` (faster, the ``xxhash`` extra, trusted prompts only).
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -131,6 +163,8 @@ class KVCacheManager:
         num_q_heads: int | None = None,
         scale: float = 1.0,
         host_pool: KVPool | None = None,
+        enable_prefix_caching: bool = False,
+        hash_algorithm: str = "sha256",
     ) -> None:
         if not isinstance(pool, KVPool):
             raise InputTypeError(f"pool must be a KVPool, got {type(pool).__name__}")
@@ -169,8 +203,24 @@ class KVCacheManager:
         self._max_abs_key = [0.0] * pool.num_layers
         self._next_reservation = 1
         self._counters = dict.fromkeys(
-            ("forks", "copy_on_write", "preemptions", "swaps_out", "swaps_in"), 0
+            (
+                "forks",
+                "copy_on_write",
+                "preemptions",
+                "swaps_out",
+                "swaps_in",
+                "prefix_queries",
+                "prefix_hits",
+                "resumed_reuse",
+            ),
+            0,
         )
+        self._prefix: PrefixCache | None = None
+        if enable_prefix_caching:
+            self._hasher = hash_function(hash_algorithm)
+            if pool.allocator.on_evict is not None:
+                raise ConfigError("another manager already runs prefix caching on this pool")
+            self._prefix = PrefixCache(pool.allocator)
         pool.attach(_Holder(self, SequenceState.RUNNING))
         if host_pool is not None:
             host_pool.attach(_Holder(self, SequenceState.SWAPPED))
@@ -197,7 +247,7 @@ class KVCacheManager:
         """Tokens reserved for ``seq_id`` so far, evicted ones included."""
         return self._get(seq_id).table.num_tokens
 
-    def plan(self, requests: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> ReservationPlan:
+    def plan(self, requests: Requests) -> ReservationPlan:
         """What ``reserve(requests)`` would take and free, without doing it.
 
         Raises:
@@ -206,25 +256,70 @@ class KVCacheManager:
         """
         return self._plan(_as_pairs(requests))[0]
 
-    def can_reserve(self, requests: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> bool:
+    def can_reserve(self, requests: Requests) -> bool:
         """Whether ``reserve(requests)`` would succeed now."""
         return self.plan(requests).fits
 
     # --------------------------------------------------------------- commands
 
-    def add_sequence(self, seq_id: Hashable) -> None:
-        """Start an empty sequence.
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        prompt: Sequence[int] | None = None,
+        *,
+        extra_keys: Mapping[str, str | bytes | int] | None = None,
+    ) -> int:
+        """Start a sequence; with prefix caching, share the cached blocks of its prompt.
+
+        Args:
+            seq_id: a new, hashable id.
+            prompt: the prompt's token ids, looked up in the prefix cache.
+                The sequence starts empty; reserve and write the prompt (from
+                the returned position on) as usual.
+            extra_keys: tagged keys hashed into every block key:
+                ``{"salt": tenant, "adapter": id, "multimodal": hash}``.
+                Sequences with different extra keys never share a block.
+
+        Returns:
+            How many leading prompt tokens are already cached (a multiple of
+            ``block_size``, never the whole prompt: at least its last token is
+            left to compute). The caller writes k/v only for the rest.
 
         Raises:
             DuplicateSequenceError: ``seq_id`` is already known.
-            InputTypeError: ``seq_id`` is not hashable.
+            InputTypeError, ConfigError: a bad id, token id or extra key.
         """
         self._check_new_id(seq_id)
-        self._seqs[seq_id] = _Sequence(
+        extras = encode_extra_keys(extra_keys)
+        tokens = token_bytes(list(prompt)) if prompt is not None else b""
+        seq = _Sequence(
             seq_id, BlockTable(self.pool.block_size, self.num_sink_tokens), self.pool.num_layers
         )
+        seq.extras = extras
+        self._seqs[seq_id] = seq
+        if self._prefix is None or prompt is None:
+            return 0
+        self._counters["prefix_queries"] += len(prompt)
+        num_hit = self._share_cached_prefix(seq, list(prompt), tokens)
+        self._counters["prefix_hits"] += num_hit
+        return num_hit
 
-    def reserve(self, requests: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]]) -> Batch:
+    def reset_prefix_cache(self) -> None:
+        """Drop every block key; refused while any block is in use.
+
+        Raises:
+            ConfigError: prefix caching is off.
+            SequenceStateError: blocks are in use (free every sequence first).
+        """
+        if self._prefix is None:
+            raise ConfigError("prefix caching is off for this manager")
+        if self.pool.num_used_blocks:
+            raise SequenceStateError(
+                f"{self.pool.num_used_blocks} blocks are in use; free every sequence before a reset"
+            )
+        self._prefix.reset()
+
+    def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
 
         First every block wholly outside each sequence's window (for its first
@@ -233,7 +328,10 @@ class KVCacheManager:
 
         Args:
             requests: ``{seq_id: num_new_tokens}`` (or ``(seq_id, n)`` pairs),
-                each ``n >= 1``; a sequence may appear once.
+                each ``n >= 1``; a sequence may appear once. With prefix
+                caching give the new tokens' ids instead of a count
+                (``{seq_id: [17, 4, 99]}``) so full blocks get keys; a count
+                stops keying that sequence's later blocks.
 
         Returns:
             The :class:`~pagedkv.batch.Batch` to write and attend, every layer.
@@ -257,11 +355,15 @@ class KVCacheManager:
             )
         # ---- validated: nothing below can fail ----
         allocator = self.pool.allocator
-        bs = self.pool.block_size
         slots: list[npt.NDArray[np.int64]] = []
         first_positions, stamps = [], []
-        for (seq_id, num_new), (window_start, copy_on_write, num_blocks) in zip(pairs, steps):
+        for (seq_id, num_new, token_ids), (window_start, copy_on_write, num_blocks) in zip(pairs, steps):
             seq = self._seqs[seq_id]
+            if seq.token_ids is not None:
+                if token_ids is None:
+                    seq.token_ids = None
+                else:
+                    seq.token_ids.extend(token_ids)
             table = seq.table
             released = table.evict_to(window_start)
             if released:
@@ -274,13 +376,13 @@ class KVCacheManager:
             start = table.num_tokens
             table.append(num_new, allocator.allocate(num_blocks))
             first_positions.append(start)
-            slots.append(_range_slots(table, [(start, start + num_new)], bs).astype(np.int64))
+            slots.append(range_slots(table, [(start, start + num_new)]).astype(np.int64))
             seq.reservation_id = self._next_reservation
             stamps.append(self._next_reservation)
             self._next_reservation += 1
-        counts = [n for _, n in pairs]
+        counts = [n for _, n, _ in pairs]
         return Batch(
-            seq_ids=tuple(seq_id for seq_id, _ in pairs),
+            seq_ids=tuple(seq_id for seq_id, _, _ in pairs),
             num_new_tokens=tuple(counts),
             first_positions=tuple(first_positions),
             query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
@@ -318,6 +420,8 @@ class KVCacheManager:
         self._max_abs_key[layer] = max(self._max_abs_key[layer], float(np.abs(key_array).max()))
         for seq, start, num_new in zip(seqs, batch.first_positions, batch.num_new_tokens):
             seq.num_written[layer] = start + num_new
+            if self._prefix is not None:
+                self._key_full_blocks(seq)
 
     def attend(self, layer: int, batch: Batch, queries: Any, *, method: str = "loop") -> npt.NDArray[Any]:
         """Attention of every new token of ``batch`` over its own sequence, in one call.
@@ -357,12 +461,13 @@ class KVCacheManager:
         bound = abs(self.scale) * float(np.abs(query_array).sum(axis=-1).max()) * self._max_abs_key[layer]
         if bound > float(np.finfo(self.pool.dtype).max) / 16:
             raise NonFiniteError(f"attention scores could reach {bound:.3g}; scale q or k down")
-        if method == "padded" and all(n == 1 for n in batch.num_new_tokens):
-            return self._attend_padded(layer, seqs, query_array)
-        out = np.empty_like(query_array)
         window = self.layer_max_sizes[layer]
+        if method == "padded" and all(n == 1 for n in batch.num_new_tokens):
+            tables = [seq.table for seq in seqs]
+            return attend_decode_padded(self.pool, layer, tables, window, query_array, self.scale)
+        out = np.empty_like(query_array)
         for seq, lo, hi in zip(seqs, batch.query_start[:-1], batch.query_start[1:]):
-            out[lo:hi] = self._attend_one(layer, seq, window, query_array[lo:hi])
+            out[lo:hi] = attend_sequence(self.pool, layer, seq.table, window, query_array[lo:hi], self.scale)
         return out
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
@@ -381,6 +486,7 @@ class KVCacheManager:
         self._check_settled(seq, "fork")
         twin = _Sequence(child, seq.table.copy(), self.pool.num_layers)
         twin.num_written = list(seq.num_written)
+        twin.copy_keys_from(seq)
         self.pool.allocator.share(seq.table.block_ids)
         self._seqs[child] = twin
         self._counters["forks"] += 1
@@ -431,11 +537,20 @@ class KVCacheManager:
         seq.reservation_id = 0
         self._counters["preemptions"] += 1
 
-    def resume(self, seq_id: Hashable) -> None:
+    def resume(self, seq_id: Hashable) -> int:
         """Bring a preempted or swapped sequence back to running.
 
-        A recompute-preempted sequence comes back empty; a swapped one gets its
-        blocks back in whatever device blocks are free, with identical contents.
+        A swapped sequence gets its blocks back in whatever device blocks are
+        free, with identical contents. A recompute-preempted one comes back
+        empty, except that with prefix caching the still-cached blocks of its
+        own token history are shared again; the caller re-feeds the rest.
+        Such reuse is counted apart from prefix hits (vLLM #25780 counted
+        recomputation after preemption as hits).
+
+        Returns:
+            Tokens the sequence holds again: all of them after a swap; after a
+            recompute preemption the leading tokens found in the prefix cache
+            (a multiple of block_size, never all), else 0.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not known.
@@ -451,7 +566,20 @@ class KVCacheManager:
             _copy_between(self._host(), host_ids, self.pool, device_ids)
             self._host().allocator.free(seq.table.replace_all(device_ids))
             self._counters["swaps_in"] += 1
+            seq.state = SequenceState.RUNNING
+            if self._prefix is not None:
+                self._rekey_restored(seq)
+            return seq.table.num_tokens
         seq.state = SequenceState.RUNNING
+        if self._prefix is None or not seq.token_ids:
+            seq.token_ids = None if seq.token_ids is None else []
+            seq.block_keys = []
+            return 0
+        history = seq.token_ids
+        seq.token_ids, seq.block_keys = [], []
+        num_reused = self._share_cached_prefix(seq, history, token_bytes(history))
+        self._counters["resumed_reuse"] += num_reused
+        return num_reused
 
     # -------------------------------------------------------------- reporting
 
@@ -496,6 +624,17 @@ class KVCacheManager:
             num_preemptions=self._counters["preemptions"],
             num_swaps_out=self._counters["swaps_out"],
             num_swaps_in=self._counters["swaps_in"],
+            num_prefix_queries=self._counters["prefix_queries"],
+            num_prefix_hits=self._counters["prefix_hits"],
+            prefix_hit_rate=(
+                self._counters["prefix_hits"] / self._counters["prefix_queries"]
+                if self._counters["prefix_queries"]
+                else 0.0
+            ),
+            num_cached_blocks=self._prefix.num_cached_blocks if self._prefix else 0,
+            num_cached_free_blocks=pool.allocator.num_cached_free_blocks,
+            num_prefix_evictions=self._prefix.num_evictions if self._prefix else 0,
+            num_resumed_reuse_tokens=self._counters["resumed_reuse"],
         )
 
     def check_invariants(self) -> None:
@@ -503,7 +642,17 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.host_pool is not None:
             self.host_pool.check_invariants()
+        if self._prefix is not None:
+            self._prefix.check_invariants()
+        bs = self.pool.block_size
         for seq in self._seqs.values():
+            keyed = self._prefix is not None and seq.token_ids is not None
+            if keyed and seq.state is not SequenceState.PREEMPTED:
+                assert seq.token_ids is not None
+                if len(seq.token_ids) != seq.table.num_tokens:
+                    raise AssertionError(f"sequence {seq.seq_id!r}: token ids and table disagree")
+                if len(seq.block_keys) > min(seq.num_written) // bs:
+                    raise AssertionError(f"sequence {seq.seq_id!r} has keys for unwritten blocks")
             seq.table.check_invariants()
             if seq.state is SequenceState.PREEMPTED and seq.table.num_blocks:
                 raise AssertionError(f"preempted sequence {seq.seq_id!r} still holds blocks")
@@ -576,7 +725,7 @@ class KVCacheManager:
         return seqs
 
     def _plan(
-        self, pairs: list[tuple[Hashable, int]]
+        self, pairs: list[tuple[Hashable, int, list[int] | None]]
     ) -> tuple[ReservationPlan, list[tuple[int, bool, int]]]:
         allocator = self.pool.allocator
         bs = self.pool.block_size
@@ -584,7 +733,7 @@ class KVCacheManager:
         ref_drops: dict[int, int] = {}
         steps = []
         num_new = num_cow = num_released = 0
-        for seq_id, count in pairs:
+        for seq_id, count, _ in pairs:
             seq = self._get(seq_id)
             if seq_id in seen:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} appears twice in one reservation")
@@ -622,6 +771,70 @@ class KVCacheManager:
         )
         return plan, steps
 
+    def _share_cached_prefix(self, seq: _Sequence, token_ids: list[int], tokens: bytes) -> int:
+        """Share the longest cached run of ``token_ids``' full blocks; return its tokens.
+
+        NOTE: with a sliding window the whole chain is looked up (a key proves
+        its entire prefix), but only the hit blocks the next token's window
+        reaches, and the sink blocks, are shared: blocks that slid out of the
+        window are not needed and stay free for others.
+        """
+        assert self._prefix is not None
+        bs = self.pool.block_size
+        num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
+        keys = block_keys(ROOT_KEY, tokens[: 8 * bs * num_usable], bs, seq.extras, self._hasher)
+        hit = self._prefix.longest_prefix(keys)
+        num_hit = len(hit) * bs
+        if not hit:
+            return 0
+        window_start = self.num_sink_tokens
+        if self.max_size is not None:
+            window_start = max(window_start, num_hit + 1 - self.max_size)
+        window_start = min(window_start, num_hit)
+        num_sink_blocks = min(seq.table.num_sink_blocks, len(hit))
+        first = max(num_sink_blocks, window_start // bs)
+        held = hit[:num_sink_blocks] + hit[first:]
+        allocator = self.pool.allocator
+        for block_id in held:
+            if allocator.ref_count(block_id) == 0:
+                allocator.revive(block_id)
+            else:
+                allocator.share([block_id])
+        seq.table = BlockTable.restored(bs, self.num_sink_tokens, num_hit, window_start, held)
+        seq.num_written = [num_hit] * self.pool.num_layers
+        seq.token_ids = token_ids[:num_hit]
+        seq.block_keys = keys[: len(hit)]
+        return num_hit
+
+    def _key_full_blocks(self, seq: _Sequence) -> None:
+        """Give keys to ``seq``'s blocks that are full and written in every layer."""
+        assert self._prefix is not None
+        if seq.token_ids is None:
+            return
+        bs = self.pool.block_size
+        first = len(seq.block_keys)
+        num_full = min(seq.num_written) // bs
+        if num_full <= first:
+            return
+        parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
+        tokens = token_bytes(seq.token_ids[first * bs : num_full * bs])
+        new_keys = block_keys(parent, tokens, bs, seq.extras, self._hasher)
+        table = seq.table
+        for logical_block, key in enumerate(new_keys, start=first):
+            if logical_block < table.num_sink_blocks or logical_block >= table.first_block_index:
+                self._prefix.register(table.slot(logical_block * bs) // bs, key)
+        seq.block_keys.extend(new_keys)
+
+    def _rekey_restored(self, seq: _Sequence) -> None:
+        """After a swap-in, key the restored full blocks whose keys are free again."""
+        assert self._prefix is not None
+        bs = self.pool.block_size
+        table = seq.table
+        for logical_block, key in enumerate(seq.block_keys):
+            held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
+            if held and self._prefix.block_for(key) is None:
+                self._prefix.register(table.slot(logical_block * bs) // bs, key)
+
     def _release(self, seq: _Sequence) -> None:
         released = seq.table.clear()
         if seq.state is SequenceState.RUNNING:
@@ -629,86 +842,34 @@ class KVCacheManager:
         elif seq.state is SequenceState.SWAPPED:
             self._host().allocator.free(released)
 
-    def _visible(self, seq: _Sequence, window: int | None, position: int) -> list[tuple[int, int]]:
-        """Logical index ranges the token at ``position`` attends in a layer with ``window``."""
-        sinks = min(self.num_sink_tokens, position + 1)
-        start = sinks if window is None else max(sinks, position + 1 - window)
-        ranges = [(0, sinks)] if sinks else []
-        if position + 1 > start:
-            ranges.append((start, position + 1))
-        return ranges
 
-    def _attend_one(
-        self, layer: int, seq: _Sequence, window: int | None, queries: npt.NDArray[Any]
-    ) -> npt.NDArray[Any]:
-        table = seq.table
-        pool = self.pool
-        last = table.num_tokens - 1
-        held = table.live_ranges()
-        if len(queries) == 1:
-            visible = self._visible(seq, window, last)
-            if visible == held:
-                keys, values = pool.gather(layer, table)
-            else:
-                keys, values = pool.gather_slots(layer, _range_slots(table, visible, pool.block_size))
-            return attend_dense(queries[0], keys, values, self.scale)[None]
-        keys, values = pool.gather(layer, table)
-        positions = np.concatenate([np.arange(start, end) for start, end in held])
-        query_positions = np.arange(last + 1 - len(queries), last + 1)
-        mask = positions[None, :] <= query_positions[:, None]
-        if window is not None:
-            in_window = positions[None, :] > query_positions[:, None] - window
-            mask &= in_window | (positions[None, :] < self.num_sink_tokens)
-        return attend_dense_masked(queries, keys, values, mask, self.scale)
-
-    def _attend_padded(
-        self, layer: int, seqs: list[_Sequence], queries: npt.NDArray[Any]
-    ) -> npt.NDArray[Any]:
-        window = self.layer_max_sizes[layer]
-        bs = self.pool.block_size
-        slot_lists = [
-            _range_slots(seq.table, self._visible(seq, window, seq.table.num_tokens - 1), bs)
-            for seq in seqs
-        ]
-        lengths = np.array([len(s) for s in slot_lists])
-        width = int(lengths.max())
-        padded = np.zeros((len(seqs), width), np.intp)
-        for row, slots in enumerate(slot_lists):
-            padded[row, : len(slots)] = slots
-        keys, values = self.pool.gather_slots(layer, padded.ravel())
-        shape = (self.pool.num_kv_heads, len(seqs), width, self.pool.head_dim)
-        return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, self.scale)
+Requests = Mapping[Hashable, "int | Sequence[int]"] | Iterable[tuple[Hashable, "int | Sequence[int]"]]
 
 
-def _as_pairs(
-    requests: Mapping[Hashable, int] | Iterable[tuple[Hashable, int]],
-) -> list[tuple[Hashable, int]]:
-    if isinstance(requests, Mapping):
-        return list(requests.items())
+def _as_pairs(requests: Requests) -> list[tuple[Hashable, int, list[int] | None]]:
+    """``(seq_id, num_new_tokens, token_ids or None)`` for every request, validated."""
     try:
-        pairs = [(seq_id, count) for seq_id, count in requests]
+        items = list(requests.items() if isinstance(requests, Mapping) else requests)
+        pairs = [(seq_id, value) for seq_id, value in items]
     except (TypeError, ValueError) as error:
         raise InputTypeError(
             f"requests must be a mapping or (seq_id, num_new_tokens) pairs, got {requests!r}"
         ) from error
     if not pairs:
         raise ConfigError("a reservation needs at least one sequence")
-    return pairs
-
-
-def _range_slots(table: BlockTable, ranges: list[tuple[int, int]], block_size: int) -> npt.NDArray[np.intp]:
-    """Slots of the held logical indices in ``ranges``, in order."""
-    block_ids = np.array(table.block_ids, np.intp)
-    num_sink_held = table.num_blocks - table.num_window_blocks
-    positions = np.concatenate([np.arange(start, end) for start, end in ranges])
-    logical_block = positions // block_size
-    index = np.where(
-        logical_block < table.num_sink_blocks,
-        logical_block,
-        logical_block - table.first_block_index + num_sink_held,
-    )
-    slots: npt.NDArray[np.intp] = block_ids[index] * block_size + positions % block_size
-    return slots
+    result: list[tuple[Hashable, int, list[int] | None]] = []
+    for seq_id, value in pairs:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            result.append((seq_id, int(value), None))
+            continue
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
+            raise InputTypeError(
+                f"sequence {seq_id!r}: give a token count or a list of token ids, got {value!r}"
+            )
+        token_ids = [int(t) if isinstance(t, np.integer) else t for t in value]
+        token_bytes(token_ids)  # validates
+        result.append((seq_id, len(token_ids), token_ids))
+    return result
 
 
 def _copy_between(source: KVPool, source_ids: list[int], target: KVPool, target_ids: list[int]) -> None:

@@ -38,6 +38,14 @@ class ManagerMetrics:
         num_preemptions: preemptions (both modes) since creation.
         num_swaps_out: sequences swapped to the host pool.
         num_swaps_in: sequences swapped back.
+        num_prefix_queries: prompt tokens looked up in the prefix cache.
+        num_prefix_hits: of those, tokens found cached (shared, not computed).
+        prefix_hit_rate: ``num_prefix_hits / num_prefix_queries`` (0 if none).
+        num_cached_blocks: blocks with a prefix key, in use or free.
+        num_cached_free_blocks: free blocks a prefix hit can still take back.
+        num_prefix_evictions: cached blocks evicted (key dropped) for reuse.
+        num_resumed_reuse_tokens: tokens a recompute-preempted sequence found
+            cached on resume; counted apart from hits.
     """
 
     num_blocks: int
@@ -58,6 +66,13 @@ class ManagerMetrics:
     num_preemptions: int
     num_swaps_out: int
     num_swaps_in: int
+    num_prefix_queries: int
+    num_prefix_hits: int
+    prefix_hit_rate: float
+    num_cached_blocks: int
+    num_cached_free_blocks: int
+    num_prefix_evictions: int
+    num_resumed_reuse_tokens: int
 
     def as_dict(self) -> dict[str, float | int]:
         """The metrics as a plain dict (for JSON)."""

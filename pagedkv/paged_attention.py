@@ -1,0 +1,134 @@
+"""Attention over block tables: which tokens a query sees, and gathering them.
+
+The manager's ``attend`` calls these per layer. A token at logical index ``p``
+of a sequence with ``S`` sink tokens, in a layer with window ``W``, sees::
+
+    sinks 0 .. S-1   and   max(S, p - W + 1) .. p        (W None: S .. p)
+
+    S = 2, W = 3, p = 9:   [0 1] 2 3 4 5 6 [7 8 9]
+
+A single new token (decode) runs :func:`~pagedkv.attention.attend_dense` on
+exactly the tokens it sees, bit for bit what the no-cache recompute computes;
+several new tokens (a prefill chunk) run the masked kernel over what the
+table holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
+from pagedkv.block_table import BlockTable
+from pagedkv.pool import KVPool
+
+__all__ = ["attend_decode_padded", "attend_sequence", "range_slots", "visible_ranges"]
+
+
+def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> list[tuple[int, int]]:
+    """Logical index ranges ``[start, end)`` the token at ``position`` attends to.
+
+    >>> visible_ranges(2, 3, 9)
+    [(0, 2), (7, 10)]
+    >>> visible_ranges(0, None, 4)
+    [(0, 5)]
+    """
+    sinks = min(num_sink_tokens, position + 1)
+    start = sinks if window is None else max(sinks, position + 1 - window)
+    ranges = [(0, sinks)] if sinks else []
+    if position + 1 > start:
+        ranges.append((start, position + 1))
+    return ranges
+
+
+def range_slots(table: BlockTable, ranges: list[tuple[int, int]]) -> npt.NDArray[np.intp]:
+    """Slots of the held logical indices in ``ranges``, in order (vectorized)."""
+    block_size = table.block_size
+    block_ids = np.array(table.block_ids, np.intp)
+    num_sink_held = table.num_blocks - table.num_window_blocks
+    positions = np.concatenate([np.arange(start, end) for start, end in ranges])
+    logical_block = positions // block_size
+    index = np.where(
+        logical_block < table.num_sink_blocks,
+        logical_block,
+        logical_block - table.first_block_index + num_sink_held,
+    )
+    slots: npt.NDArray[np.intp] = block_ids[index] * block_size + positions % block_size
+    return slots
+
+
+def attend_sequence(
+    pool: KVPool,
+    layer: int,
+    table: BlockTable,
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+) -> npt.NDArray[Any]:
+    """Attention of a sequence's newest ``len(queries)`` tokens over its own tokens.
+
+    Args:
+        pool: the pool holding the table's blocks.
+        layer: the layer whose storage to read.
+        table: the sequence's block table; the queries are its newest tokens.
+        window: the layer's window, or None.
+        queries: ``(num_new_tokens, num_q_heads, head_dim)``.
+        scale: multiplies every score.
+
+    Returns:
+        A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
+    """
+    last = table.num_tokens - 1
+    held = table.live_ranges()
+    if len(queries) == 1:
+        visible = visible_ranges(table.num_sink_tokens, window, last)
+        if visible == held:
+            keys, values = pool.gather(layer, table)
+        else:
+            keys, values = pool.gather_slots(layer, range_slots(table, visible))
+        return attend_dense(queries[0], keys, values, scale)[None]
+    keys, values = pool.gather(layer, table)
+    positions = np.concatenate([np.arange(start, end) for start, end in held])
+    query_positions = np.arange(last + 1 - len(queries), last + 1)
+    mask = positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        in_window = positions[None, :] > query_positions[:, None] - window
+        mask &= in_window | (positions[None, :] < table.num_sink_tokens)
+    return attend_dense_masked(queries, keys, values, mask, scale)
+
+
+def attend_decode_padded(
+    pool: KVPool,
+    layer: int,
+    tables: list[BlockTable],
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+) -> npt.NDArray[Any]:
+    """One new token per table, all sequences in one padded kernel call.
+
+    Args:
+        pool: the pool holding the tables' blocks.
+        layer: the layer whose storage to read.
+        tables: one block table per query, each ending in its query's token.
+        window: the layer's window, or None.
+        queries: ``(len(tables), num_q_heads, head_dim)``.
+        scale: multiplies every score.
+
+    Returns:
+        A new ``(len(tables), num_q_heads, head_dim)`` array.
+    """
+    slot_lists = [
+        range_slots(table, visible_ranges(table.num_sink_tokens, window, table.num_tokens - 1))
+        for table in tables
+    ]
+    lengths = np.array([len(slots) for slots in slot_lists])
+    width = int(lengths.max())
+    padded = np.zeros((len(tables), width), np.intp)
+    for row, slots in enumerate(slot_lists):
+        padded[row, : len(slots)] = slots
+    keys, values = pool.gather_slots(layer, padded.ravel())
+    shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
+    return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)

@@ -1,0 +1,226 @@
+"""Prefix caching: full blocks addressed by a hash of everything before and in them.
+
+A full block's key chains its parent's key, the token ids it holds and the
+sequence's tagged extra keys (tenant salt, adapter id, multimodal input
+hash)::
+
+    key(block 0) = H(ROOT,        tokens[0:16],  extras)
+    key(block 1) = H(key(block 0), tokens[16:32], extras)
+
+so equal keys mean equal prefixes, not just equal blocks. Every field is
+length-prefixed and every extra key carries its kind's tag, so no two
+different inputs encode to the same bytes (vLLM #44701: an adapter name equal
+to a salt once hashed the same).
+
+Hash algorithms: ``"sha256"`` (the default, from the standard library) is
+collision resistant, so a tenant cannot forge a key that maps onto another's
+block (vLLM moved to it after advisory GHSA-rm76-4mrf-v9r8). ``"xxh3_128"``
+(the ``xxhash`` extra) is several times faster per block but not
+cryptographic: use it only when every prompt is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+
+from pagedkv.allocator import BlockAllocator
+from pagedkv.errors import ConfigError, InputTypeError
+
+__all__ = ["ROOT_KEY", "PrefixCache", "block_keys", "encode_extra_keys", "hash_function"]
+
+#: The parent key of block 0.
+ROOT_KEY = b"pagedkv-prefix-root-v1"
+
+#: Kinds of extra keys; each is hashed with its tag so kinds never collide.
+EXTRA_KEY_KINDS = ("salt", "adapter", "multimodal")
+
+HashFunction = Callable[[bytes], bytes]
+
+
+def hash_function(name: str) -> HashFunction:
+    """The block hash called ``name``: ``"sha256"`` or ``"xxh3_128"``.
+
+    Raises:
+        ConfigError: an unknown name.
+        ImportError: ``"xxh3_128"`` without the ``xxhash`` extra installed.
+    """
+    if name == "sha256":
+        sha256 = hashlib.sha256
+        return lambda data: sha256(data).digest()
+    if name == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError as error:
+            raise ImportError(
+                'hash_algorithm="xxh3_128" needs the xxhash package: pip install "pagedkv[xxhash]"'
+            ) from error
+        xxh3 = xxhash.xxh3_128_digest
+        return lambda data: bytes(xxh3(data))
+    raise ConfigError(f"hash_algorithm must be 'sha256' or 'xxh3_128', got {name!r}")
+
+
+def _field(tag: bytes, data: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(data)) + data
+
+
+def encode_extra_keys(extra_keys: Mapping[str, str | bytes | int] | None) -> bytes:
+    """Encode a sequence's extra keys as tagged, length-prefixed bytes.
+
+    Args:
+        extra_keys: ``{"salt": ..., "adapter": ..., "multimodal": ...}``; each
+            value a str, bytes or int.
+
+    Raises:
+        ConfigError: an unknown kind.
+        InputTypeError: a value of another type.
+
+    >>> encode_extra_keys({"salt": "a"}) != encode_extra_keys({"adapter": "a"})
+    True
+    """
+    if not extra_keys:
+        return b""
+    parts = []
+    for kind in sorted(extra_keys):
+        if kind not in EXTRA_KEY_KINDS:
+            raise ConfigError(f"extra key kind must be one of {EXTRA_KEY_KINDS}, got {kind!r}")
+        value = extra_keys[kind]
+        if isinstance(value, bool) or not isinstance(value, (str, bytes, int)):
+            raise InputTypeError(f"extra key {kind!r} must be str, bytes or int, got {value!r}")
+        if isinstance(value, str):
+            data = b"s" + value.encode("utf-8")
+        elif isinstance(value, bytes):
+            data = b"b" + value
+        else:
+            data = b"i" + str(value).encode("ascii")
+        parts.append(_field(b"X", _field(b"K", kind.encode("ascii")) + _field(b"V", data)))
+    return b"".join(parts)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes.
+
+    Raises:
+        InputTypeError: an id is not an int (bools included) or is negative or too large.
+    """
+    if any(isinstance(t, bool) for t in token_ids):
+        raise InputTypeError("token ids must be ints, got a bool")
+    try:
+        packed = array("q", token_ids)
+    except (TypeError, OverflowError) as error:
+        raise InputTypeError(f"token ids must be ints in int64 range: {error}") from error
+    if packed and min(packed) < 0:
+        raise InputTypeError(f"token ids must be non-negative, got {min(packed)}")
+    return packed.tobytes()
+
+
+def block_keys(
+    parent: bytes,
+    tokens: bytes,
+    block_size: int,
+    extras: bytes,
+    hasher: HashFunction,
+) -> list[bytes]:
+    """Chained keys of every full block in ``tokens`` (int64 bytes), after ``parent``."""
+    keys = []
+    step = 8 * block_size
+    for start in range(0, len(tokens) - step + 1, step):
+        parent = hasher(_field(b"P", parent) + _field(b"T", tokens[start : start + step]) + extras)
+        keys.append(parent)
+    return keys
+
+
+class PrefixCache:
+    """The map from block keys to block ids, and each block's own key.
+
+    Invariants:
+        * ``key_of[block_of[key]] == key`` for every key, and the two maps
+          have the same size;
+        * a block has a key iff the allocator marks it cached; a keyed block
+          is either in use or waits in the allocator's cached free queue;
+          no plain free block has a key.
+
+    >>> cache = PrefixCache(BlockAllocator(4))
+    >>> cache.register(2, b"k")
+    True
+    >>> cache.block_for(b"k"), cache.key_of(2)
+    (2, b'k')
+    """
+
+    def __init__(self, allocator: BlockAllocator) -> None:
+        self._allocator = allocator
+        allocator.on_evict = self._evicted
+        self._block_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        #: Cached blocks evicted to be reused since creation.
+        self.num_evictions = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that have a key (in use or cached free)."""
+        return len(self._block_of)
+
+    def block_for(self, key: bytes) -> int | None:
+        """The block holding ``key``'s contents, or None."""
+        return self._block_of.get(key)
+
+    def key_of(self, block_id: int) -> bytes | None:
+        """``block_id``'s key, or None when it has none."""
+        return self._key_of.get(block_id)
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest run of ``keys``, from the first, that are all cached."""
+        found = []
+        block_of = self._block_of
+        for key in keys:
+            block_id = block_of.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def register(self, block_id: int, key: bytes) -> bool:
+        """Give a full, used block its key; False (and no change) if the key is taken.
+
+        A second block with the same contents (two identical prompts admitted
+        in one step) stays unkeyed: the first block keeps the key, so the map
+        never has two blocks for one key nor a key on the wrong block.
+        """
+        if key in self._block_of or block_id in self._key_of:
+            return False
+        self._allocator.mark_cached(block_id)
+        self._block_of[key] = block_id
+        self._key_of[block_id] = key
+        return True
+
+    def reset(self) -> None:
+        """Drop every key (the caller checks that no block is in use)."""
+        for block_id in list(self._key_of):
+            self._allocator.unmark_cached(block_id)
+        self._block_of.clear()
+        self._key_of.clear()
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        if len(self._block_of) != len(self._key_of):
+            raise AssertionError("key->block and block->key maps differ in size")
+        allocator = self._allocator
+        for key, block_id in self._block_of.items():
+            if self._key_of.get(block_id) != key:
+                raise AssertionError(f"block {block_id} is mapped by a key it does not hold")
+            if not allocator.is_cached(block_id):
+                raise AssertionError(f"keyed block {block_id} is not marked cached")
+        cached_free = set(allocator.cached_free_block_ids())
+        for block_id in cached_free:
+            if block_id not in self._key_of:
+                raise AssertionError(f"cached free block {block_id} has no key")
+        for block_id in allocator.free_block_ids():
+            if block_id in self._key_of:
+                raise AssertionError(f"plain free block {block_id} still has a key")
+
+    def _evicted(self, block_id: int) -> None:
+        key = self._key_of.pop(block_id)
+        del self._block_of[key]
+        self.num_evictions += 1
