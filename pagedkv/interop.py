@@ -14,7 +14,8 @@ offset``; :attr:`pagedkv.Batch.slot_mapping` is exactly that.
 >>> import numpy as np
 >>> from pagedkv import KVPool, KVCacheManager
 >>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=1))
->>> manager.add_sequence("a"); manager.add_sequence("b")
+>>> manager.add_sequence("a"), manager.add_sequence("b")
+(0, 0)
 >>> batch = manager.reserve({"a": 6, "b": 3})
 >>> batch.slot_mapping.tolist()
 [0, 1, 2, 3, 4, 5, 8, 9, 10]

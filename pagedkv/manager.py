@@ -13,7 +13,8 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 >>> import numpy as np
 >>> from pagedkv import KVPool, KVCacheManager
 >>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=2))
->>> manager.add_sequence("a")
+>>> manager.add_sequence("a")  # returns how many prompt tokens were cached
+0
 >>> batch = manager.reserve({"a": 3})
 >>> kv = np.ones((3, 1, 2))
 >>> manager.write(0, batch, kv, kv)

@@ -142,11 +142,16 @@ class PrefixCache:
           is either in use or waits in the allocator's cached free queue;
           no plain free block has a key.
 
-    >>> cache = PrefixCache(BlockAllocator(4))
-    >>> cache.register(2, b"k")
+    >>> allocator = BlockAllocator(4)
+    >>> cache = PrefixCache(allocator)
+    >>> block_id = allocator.allocate_one()
+    >>> cache.register(block_id, b"k")
     True
-    >>> cache.block_for(b"k"), cache.key_of(2)
-    (2, b'k')
+    >>> cache.block_for(b"k"), cache.key_of(block_id)
+    (0, b'k')
+    >>> allocator.free_one(block_id)  # freed, but still findable by its key
+    >>> allocator.num_cached_free_blocks, cache.block_for(b"k")
+    (1, 0)
     """
 
     def __init__(self, allocator: BlockAllocator) -> None:
