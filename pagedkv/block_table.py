@@ -24,7 +24,7 @@ starts after them.
 from __future__ import annotations
 
 from collections import deque
-from itertools import pairwise
+from itertools import islice, pairwise
 
 __all__ = ["BlockTable"]
 
@@ -130,6 +130,10 @@ class BlockTable:
     def num_window_blocks(self) -> int:
         """How many blocks the window part (after the sink blocks) holds."""
         return len(self._ids)
+
+    def window_block_ids(self, num_blocks: int) -> list[int]:
+        """The ``num_blocks`` oldest window block ids (the next ``evict_to`` candidates)."""
+        return list(islice(self._ids, num_blocks))
 
     @property
     def first_window_id(self) -> int:

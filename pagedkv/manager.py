@@ -356,7 +356,8 @@ class KVCacheManager:
             )
         # ---- validated: nothing below can fail ----
         allocator = self.pool.allocator
-        slots: list[npt.NDArray[np.int64]] = []
+        bs = self.pool.block_size
+        slots: list[int] = []
         first_positions, stamps = [], []
         for (seq_id, num_new, token_ids), (window_start, copy_on_write, num_blocks) in zip(pairs, steps):
             seq = self._seqs[seq_id]
@@ -366,18 +367,22 @@ class KVCacheManager:
                 else:
                     seq.token_ids.extend(token_ids)
             table = seq.table
-            released = table.evict_to(window_start)
-            if released:
-                allocator.free(released)
+            if window_start > table.window_start:
+                released = table.evict_to(window_start)
+                if released:
+                    allocator.free(released)
             if copy_on_write:
                 copy = allocator.allocate_one()
                 self.pool.copy_blocks([table.last_block_id], [copy])
                 allocator.free_one(table.replace_last(copy))
                 self._counters["copy_on_write"] += 1
             start = table.num_tokens
-            table.append(num_new, allocator.allocate(num_blocks))
+            table.append(num_new, allocator.allocate(num_blocks) if num_blocks else [])
             first_positions.append(start)
-            slots.append(range_slots(table, [(start, start + num_new)]).astype(np.int64))
+            if num_new == 1:
+                slots.append(table.last_block_id * bs + start % bs)
+            else:
+                slots.extend(range_slots(table, [(start, start + num_new)]).tolist())
             seq.reservation_id = self._next_reservation
             stamps.append(self._next_reservation)
             self._next_reservation += 1
@@ -387,7 +392,7 @@ class KVCacheManager:
             num_new_tokens=tuple(counts),
             first_positions=tuple(first_positions),
             query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            slot_mapping=np.concatenate(slots),
+            slot_mapping=np.array(slots, np.int64),
             reservation_ids=tuple(stamps),
         )
 
@@ -739,18 +744,20 @@ class KVCacheManager:
             if seq_id in seen:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} appears twice in one reservation")
             seen.add(seq_id)
-            check_count(f"tokens for sequence {seq_id!r}", count)
-            self._check_settled(seq, "reserve for")
+            if count < 1:
+                check_count(f"tokens for sequence {seq_id!r}", count)
             table = seq.table
+            # Fast path: the last layer written and one layer means settled.
+            settled = seq.state is SequenceState.RUNNING and seq.num_written[-1] == table.num_tokens
+            if not settled or (self.pool.num_layers > 1 and seq.pending_layers()):
+                self._check_settled(seq, "reserve for")
             window_start = table.window_start
             if self.max_size is not None:
                 window_start = table.num_tokens + 1 - self.max_size
-            num_release = table.num_blocks_released_by(window_start)
-            window_ids = table.block_ids[table.num_blocks - table.num_window_blocks :]
-            for block_id in window_ids[:num_release]:
-                ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
-                if ref_drops[block_id] == allocator.ref_count(block_id):
-                    num_released += 1
+                for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
+                    ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
+                    if ref_drops[block_id] == allocator.ref_count(block_id):
+                        num_released += 1
             copy_on_write = False
             if table.num_tokens % bs and table.num_blocks:
                 last = table.last_block_id
