@@ -75,9 +75,10 @@ def run_demo(
     )
     say("Legend: owner A/B/C, '.' free, '*' freed by this step; 'held' = live entries in the block.\n")
 
-    snapshots = {1, 3 * 6, 3 * 7, 3 * 25, num_tokens}
     num_exact = num_checked = 0
     worst = 0.0
+    freed_by: dict[int, str] = {}
+    shown = {"first": False, "full": False, "freed": False, "reused": False}
     for step in range(1, num_tokens + 1):
         name = "ABC"[(step - 1) % 3]
         cache = caches[name]
@@ -92,12 +93,34 @@ def run_demo(
         num_checked += 1
         num_exact += bool(np.array_equal(out, expected))
         worst = max(worst, float(np.abs(out - expected).max()))
-        freed = before - set(cache.block_ids)
-        if step in snapshots or (freed and step < 3 * 9):
-            header = f"after token {step:>3} (cache {name}, {len(cache)} cached entries)"
-            if freed:
-                header += f": block {sorted(freed)} was freed - its entries all left the window"
-            say(header)
+        after = set(cache.block_ids)
+        freed, taken = before - after, after - before
+        reused = {b: freed_by[b] for b in taken if b in freed_by and freed_by[b] != name}
+        for block_id in taken:
+            freed_by.pop(block_id, None)
+        freed_by.update(dict.fromkeys(freed, name))
+        moment = ""
+        if not shown["first"]:
+            shown["first"] = True
+            moment = "the first token takes the pool's first free block"
+        elif not shown["full"] and len(cache) == block_size and cache.num_blocks == 1:
+            shown["full"] = True
+            moment = f"cache {name}'s first block is exactly full; its next entry takes a new block"
+        elif freed and not shown["freed"]:
+            shown["freed"] = True
+            moment = (
+                f"block {sorted(freed)} freed: every entry of cache {name}'s oldest block "
+                "has slid out of its window"
+            )
+        elif reused and not shown["reused"]:
+            shown["reused"] = True
+            moment = ", ".join(
+                f"block {b}, freed by cache {who}, is now cache {name}'s" for b, who in reused.items()
+            )
+        elif step == num_tokens:
+            moment = "the end of the stream"
+        if moment:
+            say(f"after token {step} (cache {name} holds {len(cache)} entries): {moment}")
             say(page_map(pool, caches, freed))
             say(f"  free blocks {pool.num_free_blocks} of {pool.num_blocks}\n")
         pool.check_invariants()
