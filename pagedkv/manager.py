@@ -222,9 +222,11 @@ class KVCacheManager:
             if pool.allocator.on_evict is not None:
                 raise ConfigError("another manager already runs prefix caching on this pool")
             self._prefix = PrefixCache(pool.allocator)
-        pool.attach(_Holder(self, SequenceState.RUNNING))
+        # The pools hold these weakly; the manager keeps them alive.
+        self._holders = [_Holder(self, SequenceState.RUNNING), _Holder(self, SequenceState.SWAPPED)]
+        pool.attach(self._holders[0])
         if host_pool is not None:
-            host_pool.attach(_Holder(self, SequenceState.SWAPPED))
+            host_pool.attach(self._holders[1])
 
     # ---------------------------------------------------------------- queries
 

@@ -17,6 +17,9 @@ Any other table is gathered into a reusable scratch buffer first.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -108,8 +111,10 @@ class KVPool:
         self._values = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         self._scratch_keys = np.empty(0, self.dtype)
         self._scratch_values = np.empty(0, self.dtype)
-        #: Objects holding block tables on this pool; see ``check_invariants``.
-        self._owners: dict[int, object] = {}
+        # Objects holding block tables on this pool, for ``check_invariants``.
+        # Weak, so a cache dropped without close() can be collected and its
+        # finalizer can give its blocks back.
+        self._owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- queries
 
@@ -235,7 +240,10 @@ class KVPool:
                 arrays[layer] = bigger
 
     def attach(self, owner: object) -> None:
-        """Register an object with ``_held_block_ids()`` so invariants can count its tables."""
+        """Register an object with ``_held_block_ids()`` so invariants can count its tables.
+
+        The pool keeps only a weak reference: the owner must keep itself alive.
+        """
         self._owners[id(owner)] = owner
 
     def detach(self, owner: object) -> None:
