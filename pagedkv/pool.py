@@ -257,7 +257,7 @@ class KVPool:
         self.allocator.check_invariants()
         held = [0] * self.num_blocks
         for owner in self._owners.values():
-            for block_id in owner._held_block_ids():  # type: ignore[attr-defined]
+            for block_id in owner._held_block_ids():
                 held[block_id] += 1
         for block_id, count in enumerate(held):
             ref_count = self.allocator.ref_count(block_id)
