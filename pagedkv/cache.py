@@ -30,6 +30,7 @@ from pagedkv.errors import (
 )
 from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
 from pagedkv.pool import KVPool, storage_dtype
+from pagedkv.quantization import attend_chunked, check_storage_dtype, storage_format
 
 __all__ = ["KVCache"]
 
@@ -65,6 +66,10 @@ class KVCache:
             the pool's).
         scale: multiplies every score; ``1.0`` is the seed's plain dot product,
             ``1 / sqrt(head_dim)`` the transformer's.
+        key_dtype: how keys are stored: None (in ``dtype``; the default, or
+            the pool's), ``"int8"`` or ``"float8_e4m3"`` (the ``fp8`` extra);
+            see :mod:`pagedkv.quantization`. ``dtype`` stays the compute dtype.
+        value_dtype: the same for values.
 
     Raises:
         InputTypeError, ConfigError: an argument has the wrong type or value,
@@ -85,6 +90,8 @@ class KVCache:
         pool: KVPool | None = None,
         dtype: npt.DTypeLike | None = None,
         scale: float = 1.0,
+        key_dtype: str | None = None,
+        value_dtype: str | None = None,
     ) -> None:
         self._max_size = check_max_size(max_size)
         if pool is not None and not isinstance(pool, KVPool):
@@ -102,6 +109,17 @@ class KVCache:
         resolved = storage_dtype(dtype if dtype is not None else (pool.dtype if pool else np.float64))
         if pool is not None and resolved != pool.dtype:
             raise ConfigError(f"dtype={resolved} but the pool stores {pool.dtype}")
+        storage = []
+        for name, value in (("key_dtype", key_dtype), ("value_dtype", value_dtype)):
+            checked = check_storage_dtype(name, value)
+            if pool is not None:
+                if checked is not None and checked != getattr(pool, name):
+                    raise ConfigError(f"{name}={checked!r} but the pool stores {getattr(pool, name)!r}")
+                checked = getattr(pool, name)
+            storage.append(checked)
+        self._key_dtype, self._value_dtype = storage
+        if pool is None and "float8_e4m3" in storage:
+            storage_format("float8_e4m3", 1)  # fail now, naming the fp8 extra, not at the first attend
         self._scale = check_scale(scale)
         self._block_size = block_size
         self._dtype = resolved
@@ -135,6 +153,16 @@ class KVCache:
     def dtype(self) -> np.dtype[Any]:
         """Storage and compute dtype."""
         return self._dtype
+
+    @property
+    def key_dtype(self) -> str | None:
+        """How keys are stored: None (floats), ``"int8"`` or ``"float8_e4m3"``."""
+        return self._key_dtype
+
+    @property
+    def value_dtype(self) -> str | None:
+        """How values are stored: None (floats), ``"int8"`` or ``"float8_e4m3"``."""
+        return self._value_dtype
 
     @property
     def scale(self) -> float:
@@ -236,6 +264,12 @@ class KVCache:
         table.append(1, new_ids)
         heads = (pool.num_kv_heads, pool.head_dim)
         pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
+        if pool.quantized:
+            quantized_keys, quantized_values = pool.gather_quantized(0, table)
+            out = attend_chunked(
+                query.reshape(-1, pool.head_dim), quantized_keys, quantized_values, self._scale, self._dtype
+            )
+            return out.reshape(query.shape).tolist() if q_is_list else out.reshape(query.shape)
         keys, values = pool.gather(0, table)
         out = attend_dense(query.reshape(-1, pool.head_dim), keys, values, self._scale)
         out = out.reshape(query.shape)
@@ -356,6 +390,8 @@ class KVCache:
             head_dim=head_dim,
             dtype=self._dtype,
             growable=True,
+            key_dtype=self._key_dtype,
+            value_dtype=self._value_dtype,
         )
         self._attach(self._pool)
 
@@ -393,6 +429,7 @@ class KVCache:
         new_ids = pool.allocator.allocate(num_held)
         keys[:, :num_held] = moved_keys
         values[:, :num_held] = moved_values
+        pool.copy_block_scales(held, list(range(num_held)))
         self._table.replace_all(new_ids)
 
     def _entries(self, which: int) -> npt.NDArray[Any]:

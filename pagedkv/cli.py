@@ -18,6 +18,201 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if run_demo(args.tokens, seed=args.seed) else 0
 
 
+# ---- pagedkv simulate / pagedkv viz (the study tools; modules imported only when run) ----
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pagedkv.simulate.command import run_simulate
+
+    return run_simulate(args)
+
+
+def _viz(args: argparse.Namespace) -> int:
+    from pagedkv.viz import run_viz
+
+    return run_viz(args)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
+    """Workload, memory and model options shared by ``simulate`` and ``viz``."""
+    work = parser.add_argument_group("workload")
+    work.add_argument(
+        "--workload",
+        default=defaults["workload"],
+        help="sharegpt (mean 161 prompt / 338 output tokens), alpaca (19 / 58), or a .jsonl file "
+        "of requests (schema: pagedkv.simulate.workload) (default %(default)s)",
+    )
+    work.add_argument(
+        "--num-requests", type=_positive_int, default=defaults["num_requests"],
+        help="synthetic requests (default %(default)s)",
+    )
+    work.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and events (default 0)")
+    work.add_argument(
+        "--n", type=_positive_int, default=defaults.get("n", 1),
+        help="samples per request, forked after prefill (default %(default)s)",
+    )
+    work.add_argument(
+        "--sampling", choices=("parallel", "beam"), default="parallel",
+        help="parallel samples, or beam-like: beams pruned and re-forked as they decode (default parallel)",
+    )
+    work.add_argument(
+        "--prefix-groups", type=int, default=defaults.get("prefix_groups", 0),
+        help="requests share one of this many system prompts (default %(default)s)",
+    )
+    work.add_argument(
+        "--prefix-len", type=int, default=defaults.get("prefix_len", 0),
+        help="tokens of each shared system prompt (default %(default)s)",
+    )
+    work.add_argument(
+        "--arrival-rate", type=float, default=None,
+        help="requests arriving per step, Poisson (default: all at step 0)",
+    )
+    work.add_argument(
+        "--max-model-len", type=_positive_int, default=defaults.get("max_model_len", 2048),
+        help="longest sequence; the contiguous baseline reserves up to it (default %(default)s)",
+    )
+    memory = parser.add_argument_group("memory and scheduler")
+    budget = memory.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--memory", default=defaults.get("memory", "12GiB"),
+        help="KV memory in bytes: 12GiB, 800MB, ... (default %(default)s)",
+    )
+    budget.add_argument(
+        "--blocks", type=_positive_int, default=None,
+        help="KV memory as a number of blocks instead" + (
+            f" (default {defaults['blocks']})" if defaults.get("blocks") else ""
+        ),
+    )
+    parser.set_defaults(fallback_blocks=defaults.get("blocks"))
+    memory.add_argument(
+        "--block-size", type=_positive_int, default=defaults.get("block_size", 16),
+        help="token slots per block (default %(default)s)",
+    )
+    memory.add_argument("--window", type=_positive_int, default=None, help="sliding window per sequence")
+    memory.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction,
+        default=defaults.get("prefix_caching", False),
+        help="share cached full blocks of prompts (default %(default)s)",
+    )
+    memory.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None, help="at most this many running sequences"
+    )
+    memory.add_argument(
+        "--watermark", type=_fraction, default=0.01,
+        help="share of blocks admission keeps free, as vLLM v0 (default 0.01)",
+    )
+    model = parser.add_argument_group(
+        "modeled model (bytes per token = layers x kv heads x head_dim x 2 x bytes)"
+    )
+    model.add_argument("--num-layers", type=_positive_int, default=40, help="default 40 (OPT-13B)")
+    model.add_argument("--num-kv-heads", type=_positive_int, default=40, help="default 40")
+    model.add_argument("--head-dim", type=_positive_int, default=128, help="default 128")
+    model.add_argument("--dtype-bytes", type=_positive_int, default=2, help="default 2 (fp16)")
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--sample-every", type=_positive_int, default=10,
+        help="measure memory every this many steps (default 10)",
+    )
+    run.add_argument(
+        "--check-invariants", action="store_true",
+        help="check the manager's invariants and the simulator's bookkeeping after every step (slow)",
+    )
+    run.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="a progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate serving on the real manager: paged vs contiguous",
+        description="A step-by-step continuous-batching simulation that drives the real KVCacheManager\n"
+        "under a memory budget, next to the contiguous up-front reservation of earlier systems.",
+        epilog="JSONL requests, one object per line (only output_len and prompt_len or prompt required):\n"
+        '  {"prompt_len": 120, "output_len": 300, "prompt": [1, 2, ...], "n": 1, "sampling": "parallel",\n'
+        '   "prefix_group": "sys-a", "prefix_len": 64, "max_output_len": 512, "arrival_step": 0}\n'
+        "A guided study: docs/tutorial.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_study_options(simulate, {"workload": "sharegpt", "num_requests": 1000})
+    out = simulate.add_argument_group("output")
+    out.add_argument(
+        "--policies", default="paged,contiguous",
+        help="comma-separated: paged, contiguous (reserve max length), contiguous-pow2, "
+        "contiguous-oracle, or all (default %(default)s)",
+    )
+    out.add_argument("--sweep", action="store_true", help="sweep block sizes and windows; print a table")
+    out.add_argument(
+        "--block-sizes", default="1,2,4,8,16,32,64,128,256", help="for --sweep (default %(default)s)"
+    )
+    out.add_argument("--windows", default="none", help="for --sweep, e.g. none,256,512 (default none)")
+    out.add_argument("--json", action="store_true", help="print JSON (wall-clock fields under 'timing')")
+    simulate.set_defaults(run=_simulate)
+
+    viz = commands.add_parser(
+        "viz",
+        help="pictures of the pool: text page maps, PNGs (plot extra)",
+        description="Text page maps of the pool at chosen steps of a short simulation (who owns each block, "
+        "shared blocks, cached free blocks, free blocks); with the plot extra (matplotlib), PNGs.",
+    )
+    _add_study_options(
+        viz,
+        {
+            "workload": "alpaca",
+            "num_requests": 16,
+            "blocks": 128,
+            "memory": None,
+            "block_size": 4,
+            "n": 2,
+            "prefix_groups": 2,
+            "prefix_len": 12,
+            "prefix_caching": True,
+            "max_model_len": 256,
+        },
+    )
+    pics = viz.add_argument_group("pictures")
+    pics.add_argument("--steps", default=None, help="steps to draw, e.g. 5,20,40 (default: four moments)")
+    pics.add_argument("--width", type=_positive_int, default=64, help="blocks per text row (default 64)")
+    pics.add_argument(
+        "--png", default=None,
+        help="write PNGs instead: pagemap, occupancy, sweep (comma-separated) or all; needs pagedkv[plot]",
+    )
+    pics.add_argument("--out", default=".", help="folder for PNGs (default: the current one)")
+    pics.add_argument(
+        "--all", action="store_true",
+        help="write the tutorial's figures (fixed settings) into --out, e.g. --out docs/images",
+    )
+    viz.set_defaults(run=_viz)
+
+
+def _add_check_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # pagedkv check: pagedkv.check imports only the standard library; the kit loads when run.
+    from pagedkv.check import add_check_parser
+
+    add_check_parser(commands)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -26,11 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="stream tokens through windowed caches on a shared pool and verify every output"
+        "demo", help="stream tokens through windowed caches; verify every output"
     )
     demo.add_argument("--tokens", type=int, default=300, help="tokens to stream (default 300)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(run=_demo)
+    _add_study_parsers(commands)
+    _add_check_parser(commands)
     return parser
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "PoolExhaustedError",
     "SequenceStateError",
     "ShapeError",
+    "SnapshotError",
     "UnknownBlockError",
     "UnknownSequenceError",
 ]
@@ -95,3 +96,7 @@ class DuplicateSequenceError(PagedKVError, ValueError):
 
 class SequenceStateError(PagedKVError, RuntimeError):
     """A sequence is in the wrong state for the operation (preempted, empty, unreserved...)."""
+
+
+class SnapshotError(PagedKVError, ValueError):
+    """A snapshot file is truncated, damaged, of another version, or inconsistent; or cannot be saved."""

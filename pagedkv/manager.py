@@ -25,7 +25,9 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,7 @@ from pagedkv.errors import (
 )
 from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
 from pagedkv.metrics import ManagerMetrics
-from pagedkv.paged_attention import attend_decode_padded, attend_sequence, range_slots
+from pagedkv.paged_attention import attend_decode_padded, attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import (
     ROOT_KEY,
@@ -58,6 +60,10 @@ from pagedkv.prefix_cache import (
 )
 
 __all__ = ["KVCacheManager", "SequenceState"]
+
+# NOTE: one counter for every manager, so a Batch from another manager never
+# matches a stamp here (per-manager counters both start at 1).
+_RESERVATION_IDS = itertools.count(1)
 
 
 class SequenceState(enum.Enum):
@@ -202,7 +208,6 @@ class KVCacheManager:
         self.host_pool = host_pool
         self._seqs: dict[Hashable, _Sequence] = {}
         self._max_abs_key = [0.0] * pool.num_layers
-        self._next_reservation = 1
         self._counters = dict.fromkeys(
             (
                 "forks",
@@ -217,6 +222,8 @@ class KVCacheManager:
             0,
         )
         self._prefix: PrefixCache | None = None
+        #: The block hash's name (kept for snapshots).
+        self.hash_algorithm = hash_algorithm
         if enable_prefix_caching:
             self._hasher = hash_function(hash_algorithm)
             if pool.allocator.on_evict is not None:
@@ -361,7 +368,16 @@ class KVCacheManager:
         bs = self.pool.block_size
         slots: list[int] = []
         first_positions, stamps = [], []
-        for (seq_id, num_new, token_ids), (window_start, copy_on_write, num_blocks) in zip(pairs, steps):
+        if self.max_size is not None:
+            # Every eviction first: the plan counts a later sequence's released
+            # blocks as available to an earlier sequence's new blocks.
+            for (seq_id, _, _), (window_start, _, _) in zip(pairs, steps):
+                table = self._seqs[seq_id].table
+                if window_start > table.window_start:
+                    released = table.evict_to(window_start)
+                    if released:
+                        allocator.free(released)
+        for (seq_id, num_new, token_ids), (_, copy_on_write, num_blocks) in zip(pairs, steps):
             seq = self._seqs[seq_id]
             if seq.token_ids is not None:
                 if token_ids is None:
@@ -369,10 +385,6 @@ class KVCacheManager:
                 else:
                     seq.token_ids.extend(token_ids)
             table = seq.table
-            if window_start > table.window_start:
-                released = table.evict_to(window_start)
-                if released:
-                    allocator.free(released)
             if copy_on_write:
                 copy = allocator.allocate_one()
                 self.pool.copy_blocks([table.last_block_id], [copy])
@@ -384,16 +396,15 @@ class KVCacheManager:
             if num_new == 1:
                 slots.append(table.last_block_id * bs + start % bs)
             else:
-                slots.extend(range_slots(table, [(start, start + num_new)]).tolist())
-            seq.reservation_id = self._next_reservation
-            stamps.append(self._next_reservation)
-            self._next_reservation += 1
+                slots.extend(table.slots(start, start + num_new))
+            seq.reservation_id = stamp = next(_RESERVATION_IDS)
+            stamps.append(stamp)
         counts = [n for _, n, _ in pairs]
         return Batch(
             seq_ids=tuple(seq_id for seq_id, _, _ in pairs),
             num_new_tokens=tuple(counts),
             first_positions=tuple(first_positions),
-            query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            query_start=np.array([0, *accumulate(counts)], np.int64),
             slot_mapping=np.array(slots, np.int64),
             reservation_ids=tuple(stamps),
         )
@@ -595,7 +606,7 @@ class KVCacheManager:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
         pool = self.pool
         bs = pool.block_size
-        live: dict[int, tuple[int, int]] = {}
+        live: dict[int, int] = {}  # block id -> bitmask of live offsets
         num_live_tokens = 0
         for seq in self._seqs.values():
             if seq.state is not SequenceState.RUNNING:
@@ -607,9 +618,8 @@ class KVCacheManager:
                     block_id = table.slot(max(start, logical_block * bs)) // bs
                     lo = max(start, logical_block * bs) - logical_block * bs
                     hi = min(end, (logical_block + 1) * bs) - logical_block * bs
-                    old = live.get(block_id)
-                    live[block_id] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
-        num_live_slots = sum(hi - lo for lo, hi in live.values())
+                    live[block_id] = live.get(block_id, 0) | ((1 << hi) - (1 << lo))
+        num_live_slots = sum(bin(mask).count("1") for mask in live.values())
         used = pool.num_used_blocks
         host_used = self.host_pool.num_used_blocks if self.host_pool is not None else 0
         states = [seq.state for seq in self._seqs.values()]
@@ -643,6 +653,7 @@ class KVCacheManager:
             num_cached_free_blocks=pool.allocator.num_cached_free_blocks,
             num_prefix_evictions=self._prefix.num_evictions if self._prefix else 0,
             num_resumed_reuse_tokens=self._counters["resumed_reuse"],
+            bytes_per_token=pool.bytes_per_token,
         )
 
     def check_invariants(self) -> None:
@@ -886,12 +897,13 @@ def _copy_between(source: KVPool, source_ids: list[int], target: KVPool, target_
     for layer in range(source.num_layers):
         target.keys(layer)[:, target_ids] = source.keys(layer)[:, source_ids]
         target.values(layer)[:, target_ids] = source.values(layer)[:, source_ids]
+    source.copy_block_scales(source_ids, target_ids, target)
 
 
 def _check_same_shape(pool: KVPool, host_pool: KVPool) -> None:
     if not isinstance(host_pool, KVPool):
         raise InputTypeError(f"host_pool must be a KVPool, got {type(host_pool).__name__}")
-    fields = ("block_size", "num_kv_heads", "head_dim", "num_layers", "dtype")
+    fields = ("block_size", "num_kv_heads", "head_dim", "num_layers", "dtype", "key_dtype", "value_dtype")
     for name in fields:
         if getattr(pool, name) != getattr(host_pool, name):
             raise ConfigError(

@@ -46,6 +46,10 @@ class ManagerMetrics:
         num_prefix_evictions: cached blocks evicted (key dropped) for reuse.
         num_resumed_reuse_tokens: tokens a recompute-preempted sequence found
             cached on resume; counted apart from hits.
+        bytes_per_token: bytes one token slot takes in the device pool: keys
+            and values of every layer, quantization scales included
+            (``KVPool.bytes_per_token``; 8192 for 8 heads of 128 float32
+            values, 2304 with int8 keys and values).
     """
 
     num_blocks: int
@@ -73,6 +77,7 @@ class ManagerMetrics:
     num_cached_free_blocks: int
     num_prefix_evictions: int
     num_resumed_reuse_tokens: int
+    bytes_per_token: int
 
     def as_dict(self) -> dict[str, float | int]:
         """The metrics as a plain dict (for JSON)."""

@@ -10,7 +10,8 @@ of a sequence with ``S`` sink tokens, in a layer with window ``W``, sees::
 A single new token (decode) runs :func:`~pagedkv.attention.attend_dense` on
 exactly the tokens it sees, bit for bit what the no-cache recompute computes;
 several new tokens (a prefill chunk) run the masked kernel over what the
-table holds.
+table holds. A quantized pool runs the chunked kernels of
+:mod:`pagedkv.quantization` the same way, on the codes as stored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy.typing as npt
 from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
 from pagedkv.block_table import BlockTable
 from pagedkv.pool import KVPool
+from pagedkv.quantization import attend_chunked, attend_chunked_masked
 
 __all__ = ["attend_decode_padded", "attend_sequence", "range_slots", "visible_ranges"]
 
@@ -80,6 +82,8 @@ def attend_sequence(
     Returns:
         A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
     """
+    if pool.quantized:
+        return _attend_sequence_quantized(pool, layer, table, window, queries, scale)
     last = table.num_tokens - 1
     held = table.live_ranges()
     if len(queries) == 1:
@@ -120,6 +124,14 @@ def attend_decode_padded(
     Returns:
         A new ``(len(tables), num_q_heads, head_dim)`` array.
     """
+    if pool.quantized:
+        # NOTE: no padded kernel for quantized pages: one chunked call per
+        # sequence, equal bit for bit to method="loop".
+        outputs = [
+            attend_sequence(pool, layer, table, window, queries[row : row + 1], scale)
+            for row, table in enumerate(tables)
+        ]
+        return np.concatenate(outputs)
     slot_lists = [
         range_slots(table, visible_ranges(table.num_sink_tokens, window, table.num_tokens - 1))
         for table in tables
@@ -132,3 +144,31 @@ def attend_decode_padded(
     keys, values = pool.gather_slots(layer, padded.ravel())
     shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
     return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)
+
+
+def _attend_sequence_quantized(
+    pool: KVPool,
+    layer: int,
+    table: BlockTable,
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+) -> npt.NDArray[Any]:
+    """``attend_sequence`` on a quantized pool: the chunked kernels, on codes as stored."""
+    last = table.num_tokens - 1
+    held = table.live_ranges()
+    if len(queries) == 1:
+        visible = visible_ranges(table.num_sink_tokens, window, last)
+        if visible == held:
+            keys, values = pool.gather_quantized(layer, table)
+        else:
+            keys, values = pool.gather_slots_quantized(layer, range_slots(table, visible))
+        return attend_chunked(queries[0], keys, values, scale, pool.dtype)[None]
+    keys, values = pool.gather_quantized(layer, table)
+    positions = np.concatenate([np.arange(start, end) for start, end in held])
+    query_positions = np.arange(last + 1 - len(queries), last + 1)
+    mask = positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        in_window = positions[None, :] > query_positions[:, None] - window
+        mask &= in_window | (positions[None, :] < table.num_sink_tokens)
+    return attend_chunked_masked(queries, keys, values, mask, scale, pool.dtype)

@@ -26,8 +26,21 @@ import numpy.typing as npt
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.quantization import (
+    QuantizedTokens,
+    StorageFormat,
+    Tokens,
+    check_storage_dtype,
+    run_tokens,
+    storage_format,
+    take_tokens,
+    write_tokens,
+)
 
 __all__ = ["SUPPORTED_DTYPES", "KVPool"]
+
+#: One side of a layer's storage: floats or codes, scales or None, format or None.
+_Side = tuple[npt.NDArray[Any], "npt.NDArray[np.floating] | None", "StorageFormat | None"]
 
 #: Storage dtypes a float pool accepts (quantized storage is a separate option).
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -80,6 +93,8 @@ class KVPool:
         num_layers: int = 1,
         dtype: npt.DTypeLike = np.float64,
         growable: bool = False,
+        key_dtype: str | None = None,
+        value_dtype: str | None = None,
     ) -> None:
         """Create a pool of ``num_blocks`` free blocks.
 
@@ -92,10 +107,15 @@ class KVPool:
             dtype: float32 or float64.
             growable: let the pool double when it runs out (used by the private
                 pool of a standalone ``KVCache``; block ids stay valid).
+            key_dtype: how keys are stored: None (in ``dtype``, the default),
+                ``"int8"`` or ``"float8_e4m3"`` (see :mod:`pagedkv.quantization`);
+                ``dtype`` stays the compute dtype.
+            value_dtype: the same for values.
 
         Raises:
             ConfigError, InputTypeError: a size is not a positive int, or the
-                dtype is not float32/float64.
+                dtype is not float32/float64, or a storage dtype is unknown.
+            ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
         """
         self.block_size = _positive_int("block_size", block_size)
         self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
@@ -104,11 +124,23 @@ class KVPool:
         num_blocks = _positive_int("num_blocks", num_blocks)
         self.dtype = storage_dtype(dtype)
         self.growable = growable
+        #: Storage dtype names of keys and values (None: unquantized, in ``dtype``).
+        self.key_dtype = check_storage_dtype("key_dtype", key_dtype)
+        self.value_dtype = check_storage_dtype("value_dtype", value_dtype)
+        self._key_format = storage_format(self.key_dtype, self.head_dim) if self.key_dtype else None
+        self._value_format = storage_format(self.value_dtype, self.head_dim) if self.value_dtype else None
+        #: Whether keys or values are quantized (attention then runs the chunked kernel).
+        self.quantized = self._key_format is not None or self._value_format is not None
         self.allocator = BlockAllocator(num_blocks)
         shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         # np.zeros maps fresh zero pages lazily: untouched blocks cost no memory.
-        self._keys = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        self._values = [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        key_store = self._key_format.code_dtype if self._key_format else self.dtype
+        value_store = self._value_format.code_dtype if self._value_format else self.dtype
+        self._keys = [np.zeros(shape, key_store) for _ in range(self.num_layers)]
+        self._values = [np.zeros(shape, value_store) for _ in range(self.num_layers)]
+        # Scales (num_kv_heads, num_blocks, block_size, num_groups) per quantized side and layer.
+        self._key_scales = self._new_scales(self._key_format, num_blocks)
+        self._value_scales = self._new_scales(self._value_format, num_blocks)
         self._scratch_keys = np.empty(0, self.dtype)
         self._scratch_values = np.empty(0, self.dtype)
         # Objects holding block tables on this pool, for ``check_invariants``.
@@ -139,12 +171,60 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of keys and values one block holds across all layers."""
-        per_layer = self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
-        return 2 * self.num_layers * per_layer
+        """Bytes of keys and values one block holds across all layers (scales included)."""
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot takes: keys and values of every layer, quantization scales included.
+
+        >>> KVPool(1, head_dim=128, num_kv_heads=8, dtype=np.float32).bytes_per_token
+        8192
+        >>> KVPool(1, head_dim=128, num_kv_heads=8, dtype=np.float32, key_dtype="int8",
+        ...        value_dtype="int8").bytes_per_token
+        2304
+        """
+        total = 0
+        for storage in (self._key_format, self._value_format):
+            per_head = storage.bytes_per_head(self.dtype) if storage else self.head_dim * self.dtype.itemsize
+            total += self.num_kv_heads * per_head
+        return self.num_layers * total
+
+    @property
+    def key_format(self) -> StorageFormat | None:
+        """How keys are quantized, or None when they are stored as floats."""
+        return self._key_format
+
+    @property
+    def value_format(self) -> StorageFormat | None:
+        """How values are quantized, or None when they are stored as floats."""
+        return self._value_format
+
+    def key_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key scales ``(num_kv_heads, num_blocks, block_size, num_groups)`` (a view).
+
+        Raises:
+            ConfigError: keys are not quantized.
+        """
+        if not self._key_scales:
+            raise ConfigError("keys are not quantized in this pool; there are no scales")
+        return self._key_scales[layer]
+
+    def value_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s value scales, shaped like ``key_scales``.
+
+        Raises:
+            ConfigError: values are not quantized.
+        """
+        if not self._value_scales:
+            raise ConfigError("values are not quantized in this pool; there are no scales")
+        return self._value_scales[layer]
 
     def keys(self, layer: int = 0) -> npt.NDArray[np.floating]:
-        """Layer ``layer``'s key storage ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view)."""
+        """Layer ``layer``'s key storage ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view).
+
+        With ``key_dtype`` set these are the codes; ``key_scales`` holds the scales.
+        """
         return self._keys[layer]
 
     def values(self, layer: int = 0) -> npt.NDArray[np.floating]:
@@ -159,7 +239,12 @@ class KVPool:
         Returns a view of the storage when the table's blocks are one run of
         consecutive ids; otherwise a view of this pool's scratch buffer, which
         the next ``gather`` overwrites. Read it before gathering again.
+
+        A quantized pool returns new arrays of the dequantized values of the
+        table's tokens (attention reads ``gather_quantized`` instead).
         """
+        if self.quantized:
+            return self._dequantized(self.gather_quantized(layer, table))
         keys, values = self._keys[layer], self._values[layer]
         bs = self.block_size
         ranges = table.live_ranges()
@@ -193,8 +278,40 @@ class KVPool:
     def gather_slots(
         self, layer: int, slots: npt.NDArray[np.intp]
     ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        """Keys and values at ``slots`` as ``(num_kv_heads, len(slots), head_dim)`` (scratch view)."""
+        """Keys and values at ``slots`` as ``(num_kv_heads, len(slots), head_dim)`` (scratch view).
+
+        A quantized pool returns new arrays of the dequantized values.
+        """
+        if self.quantized:
+            return self._dequantized(self.gather_slots_quantized(layer, slots))
         return self._take(self._keys[layer], self._values[layer], slots)
+
+    def gather_quantized(self, layer: int, table: BlockTable) -> tuple[Tokens, Tokens]:
+        """The keys and values ``table`` holds, in logical order, as stored.
+
+        Each side is a float array ``(num_kv_heads, num_tokens, head_dim)``, or
+        :class:`~pagedkv.quantization.QuantizedTokens` (codes and scales) when
+        that side is quantized. Views of the storage when the table's blocks are
+        one run of consecutive ids, new arrays otherwise. Nothing is dequantized.
+        """
+        ranges = table.live_ranges()
+        if len(ranges) == 1 and ranges[0][0] >= table.num_sink_tokens and table.is_one_run:
+            bs = self.block_size
+            start, end = ranges[0]
+            lo = start - table.first_block_index * bs
+            first_id, num_held = table.first_window_id, table.num_blocks
+            hi = lo + end - start
+            key_side, value_side = self._sides(layer)
+            return (
+                run_tokens(*key_side, first_id, num_held, lo, hi),
+                run_tokens(*value_side, first_id, num_held, lo, hi),
+            )
+        return self.gather_slots_quantized(layer, self._table_slots(table, ranges))
+
+    def gather_slots_quantized(self, layer: int, slots: npt.NDArray[np.intp]) -> tuple[Tokens, Tokens]:
+        """Keys and values at ``slots``, as stored (see ``gather_quantized``); new arrays."""
+        key_side, value_side = self._sides(layer)
+        return take_tokens(*key_side, slots), take_tokens(*value_side, slots)
 
     # --------------------------------------------------------------- commands
 
@@ -205,8 +322,13 @@ class KVPool:
         keys: npt.NDArray[np.floating],
         values: npt.NDArray[np.floating],
     ) -> None:
-        """Store ``keys``/``values`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots."""
+        """Store ``keys``/``values`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots (quantizing them)."""
         flat = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        if self.quantized:
+            key_side, value_side = self._sides(layer)
+            write_tokens(*key_side, slots, keys)
+            write_tokens(*value_side, slots, values)
+            return
         self._keys[layer].reshape(flat)[:, slots] = keys.transpose(1, 0, 2)
         self._values[layer].reshape(flat)[:, slots] = values.transpose(1, 0, 2)
 
@@ -218,7 +340,11 @@ class KVPool:
         key: npt.NDArray[np.floating],
         value: npt.NDArray[np.floating],
     ) -> None:
-        """Store one token's ``key``/``value`` ``(num_kv_heads, head_dim)``."""
+        """Store one token's ``key``/``value`` ``(num_kv_heads, head_dim)`` (quantizing them)."""
+        if self.quantized:
+            slot = np.array([block_id * self.block_size + offset], np.intp)
+            self.write(layer, slot, key[None], value[None])
+            return
         self._keys[layer][:, block_id, offset] = key
         self._values[layer][:, block_id, offset] = value
 
@@ -227,15 +353,29 @@ class KVPool:
         for layer in range(self.num_layers):
             self._keys[layer][:, destinations] = self._keys[layer][:, sources]
             self._values[layer][:, destinations] = self._values[layer][:, sources]
+        self.copy_block_scales(sources, destinations)
+
+    def copy_block_scales(
+        self, sources: list[int], destinations: list[int], target: KVPool | None = None
+    ) -> None:
+        """Copy the scales of ``sources`` into ``destinations`` of ``target`` (default: this pool).
+
+        Does nothing when neither side is quantized. Code that moves a quantized
+        pool's codes itself (``keys(layer)[:, ids] = ...``) calls this too.
+        """
+        into = self if target is None else target
+        for mine, theirs in ((self._key_scales, into._key_scales), (self._value_scales, into._value_scales)):
+            for layer, scales in enumerate(mine):
+                theirs[layer][:, destinations] = scales[:, sources]
 
     def grow(self, num_new_blocks: int) -> None:
         """Add ``num_new_blocks`` blocks (ids after the existing ones stay valid)."""
         old = self.num_blocks
         self.allocator.grow(num_new_blocks)
         shape = (self.num_kv_heads, old + num_new_blocks, self.block_size, self.head_dim)
-        for arrays in (self._keys, self._values):
+        for arrays in (self._keys, self._values, self._key_scales, self._value_scales):
             for layer, array in enumerate(arrays):
-                bigger = np.zeros(shape, self.dtype)
+                bigger = np.zeros((*shape[:3], array.shape[3]), array.dtype)  # scales: last dim num_groups
                 bigger[:, :old] = array
                 arrays[layer] = bigger
 
@@ -269,6 +409,11 @@ class KVPool:
         for array in self._keys + self._values:
             if array.shape != shape:
                 raise AssertionError(f"storage shape {array.shape}, expected {shape}")
+        sides = ((self._key_format, self._key_scales), (self._value_format, self._value_scales))
+        for storage, scales in sides:
+            expected = [] if storage is None else [(*shape[:3], storage.num_groups)] * self.num_layers
+            if [array.shape for array in scales] != expected:
+                raise AssertionError(f"scale shapes {[a.shape for a in scales]}, expected {expected}")
 
     # ---------------------------------------------------------------- private
 
@@ -312,6 +457,46 @@ class KVPool:
         flat = (self.num_kv_heads, num * bs, self.head_dim)
         return key_out.reshape(flat), value_out.reshape(flat)
 
+    def _new_scales(self, storage: StorageFormat | None, num_blocks: int) -> list[npt.NDArray[np.floating]]:
+        if storage is None:
+            return []
+        shape = (self.num_kv_heads, num_blocks, self.block_size, storage.num_groups)
+        return [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+
+    def _table_slots(self, table: BlockTable, ranges: list[tuple[int, int]]) -> npt.NDArray[np.intp]:
+        """Slots of the held logical indices in ``ranges``, in order (as ``gather``'s sink path)."""
+        bs = self.block_size
+        if not ranges:
+            return np.empty(0, np.intp)
+        block_ids = np.array(table.block_ids, np.intp)
+        flat_slots = (block_ids[:, None] * bs + np.arange(bs)).ravel()
+        num_sink_held = table.num_blocks - table.num_window_blocks
+        base = num_sink_held * bs - table.first_block_index * bs
+        positions = [
+            np.arange(start, end) if start < table.num_sink_tokens else np.arange(start + base, end + base)
+            for start, end in ranges
+        ]
+        slots: npt.NDArray[np.intp] = flat_slots[np.concatenate(positions)]
+        return slots
+
+    def _sides(self, layer: int) -> tuple[_Side, _Side]:
+        """``(storage, scales or None, format or None)`` of layer ``layer``'s keys and of its values."""
+        key_scales = self._key_scales[layer] if self._key_scales else None
+        value_scales = self._value_scales[layer] if self._value_scales else None
+        return (
+            (self._keys[layer], key_scales, self._key_format),
+            (self._values[layer], value_scales, self._value_format),
+        )
+
+    def _dequantized(
+        self, sides: tuple[Tokens, Tokens]
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        def floats(side: Tokens) -> npt.NDArray[np.floating]:
+            if isinstance(side, QuantizedTokens):
+                return side.dequantize(0, side.shape[1], self.dtype)
+            return np.array(side)
+        return floats(sides[0]), floats(sides[1])
+
     def _reserve_scratch(self, size: int) -> None:
         if self._scratch_keys.size < size:
             capacity = max(size, 2 * self._scratch_keys.size)
@@ -323,5 +508,6 @@ class KVPool:
             f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"num_layers={self.num_layers}, dtype={self.dtype}, "
-            f"num_free_blocks={self.num_free_blocks})"
+            + (f"key_dtype={self.key_dtype}, value_dtype={self.value_dtype}, " if self.quantized else "")
+            + f"num_free_blocks={self.num_free_blocks})"
         )

@@ -5,6 +5,11 @@ scratch, with no blocks, tables or pools, and runs the same kernel as the
 cache (:func:`pagedkv.attention.attend_dense`). A paged result that differs
 from it in a single bit is a bug in the paging, never rounding.
 
+With quantized storage (``key_dtype``/``value_dtype``) it quantizes the
+window's tokens exactly as the pool does, token by token, and runs the same
+chunked kernel (:func:`pagedkv.quantization.attend_chunked`), so a quantized
+cache equals it bit for bit too.
+
 >>> recompute([[1.0], [1.0]], [[1.0], [2.0]], [[42.0], [0.0]], max_size=1)
 [[42.0], [0.0]]
 """
@@ -18,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attention import attend_dense
+from pagedkv.quantization import QuantizedTokens, Tokens, attend_chunked, storage_format
 
 __all__ = ["attend_window", "recompute"]
 
@@ -29,6 +35,8 @@ def attend_window(
     *,
     scale: float = 1.0,
     dtype: npt.DTypeLike = np.float64,
+    key_dtype: str | None = None,
+    value_dtype: str | None = None,
 ) -> npt.NDArray[Any]:
     """Attend ``query`` over exactly ``keys``/``values`` (the window, oldest first).
 
@@ -38,9 +46,15 @@ def attend_window(
         values: one value per token, shaped like the keys.
         scale: multiplies every score.
         dtype: the dtype the cache stores and computes in.
+        key_dtype: the cache's key storage (None, ``"int8"``, ``"float8_e4m3"``):
+            the keys are quantized as the cache stores them.
+        value_dtype: the same for values.
 
     Returns:
         A new array shaped like ``query``.
+
+    >>> attend_window([1.0], [[1.0], [1.0]], [[0.3], [0.5]], key_dtype="int8", value_dtype="int8")
+    array([0.4])
     """
     q = np.asarray(query, dtype=dtype)
     dense_keys = np.asarray(keys, dtype=dtype)
@@ -51,8 +65,22 @@ def attend_window(
     dense_values = np.ascontiguousarray(
         dense_values.reshape(num_tokens, -1, head_dim).transpose(1, 0, 2)
     )
+    if key_dtype is not None or value_dtype is not None:
+        keys_read = _quantized(dense_keys, key_dtype)
+        values_read = _quantized(dense_values, value_dtype)
+        out = attend_chunked(q.reshape(-1, head_dim), keys_read, values_read, scale, q.dtype)
+        return out.reshape(q.shape)
     out = attend_dense(q.reshape(-1, head_dim), dense_keys, dense_values, scale)
     return out.reshape(q.shape)
+
+
+def _quantized(dense: npt.NDArray[Any], name: str | None) -> Tokens:
+    """``dense`` ``(num_kv_heads, num_tokens, head_dim)`` stored as ``name`` would store it."""
+    if name is None:
+        return dense
+    storage = storage_format(name, dense.shape[-1])
+    codes, scales = storage.quantize(dense)
+    return QuantizedTokens(codes, scales, storage)
 
 
 def recompute(
@@ -63,6 +91,8 @@ def recompute(
     max_size: int | None = None,
     scale: float = 1.0,
     dtype: npt.DTypeLike = np.float64,
+    key_dtype: str | None = None,
+    value_dtype: str | None = None,
 ) -> list[Any]:
     """Full causal attention at every step of a token stream, without a cache.
 
@@ -76,7 +106,13 @@ def recompute(
     for step, query in enumerate(queries):
         start = 0 if max_size is None else max(0, step + 1 - max_size)
         out = attend_window(
-            query, keys[start : step + 1], values[start : step + 1], scale=scale, dtype=dtype
+            query,
+            keys[start : step + 1],
+            values[start : step + 1],
+            scale=scale,
+            dtype=dtype,
+            key_dtype=key_dtype,
+            value_dtype=value_dtype,
         )
         outputs.append(out.tolist() if isinstance(query, (list, tuple)) else out)
     return outputs

@@ -1,0 +1,801 @@
+"""Allocator throughput: blocks per second and request cycles per second.
+
+Run: ``python benchmarks/bench_allocator.py`` (``--quick`` for a smoke run).
+
+Measured, each side by side in one run and interleaved round-robin so that
+machine noise hits every row alike:
+
+* the raw :class:`pagedkv.BlockAllocator`;
+* :class:`pagedkv.KVCacheManager` bookkeeping (``reserve`` / ``free``) on a
+  pool with tiny storage, so its overhead over the allocator is visible;
+* ``VllmStyleBlockPool``: a port, in this file, of the free path of vLLM v1's
+  pure-Python block pool (``vllm/v1/core/kv_cache_utils.py``
+  ``FreeKVCacheBlockQueue``/``KVCacheBlock``, ``vllm/v1/core/block_pool.py``
+  ``get_new_blocks``/``free_blocks``, prefix caching off), so the anchor is
+  also measured on this machine, not only quoted;
+* ``ListFifoAllocator``, the prototype that ``BlockAllocator`` now follows
+  (the FIFO on a list with a head index, batch allocation by slicing and a
+  one-pass ``free``; no prefix-cache queue). It is checked against
+  ``BlockAllocator`` op for op (ids handed out, ref counts, errors) before
+  anything is timed. (An earlier run also measured a LIFO list stack: only
+  1.1-1.2x faster than the old deque, so the deque was not the slow part.)
+
+Workloads (block_size 16, a pool of 4096 blocks):
+
+* single: 1024 blocks taken one call at a time, then freed one call at a time
+  (oldest first); a block counts once for its allocate + free round trip;
+* batch 16: 64 calls taking 16 blocks each, then 64 frees of 16;
+* batch 1024: one call taking 1024 blocks, one free of 1024;
+* request cycle: 32-block prefill, 8 single-block decode allocations, free
+  all 40 tail first (as vLLM frees). vLLM has no single-block call, so its
+  port's decode blocks are ``get_new_blocks(1)``.
+
+Through the manager, "a block" is one ``reserve`` of a block's worth of tokens
+(16), and every request is a sequence: ``add_sequence`` (outside the timing
+for block rows, inside it for request cycles) and ``free``. ``reserve`` refuses
+a sequence whose reserved tokens are not yet written in every layer; the
+"bookkeeping" rows mark them written directly (private state, no k/v copy),
+the "+ write" rows call the public ``write`` with (n, 1, 1) float32 k/v; the
+"on ListFifoAllocator" rows swap the prototype in under the manager.
+
+Timings are medians of ``--repeats`` samples in CPU time (``process_time``,
+which leaves out waiting for a core on a shared machine) and wall clock; the
+verdicts use CPU time. ``--profile`` adds cProfile tables of the slow paths and
+measures the pieces of ``reserve`` they point at, with the proposed
+replacements. Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from common import footer, header
+from threadpoolctl import threadpool_limits
+
+from pagedkv import BlockAllocator, KVCacheManager, KVPool
+from pagedkv.errors import ConfigError, DoubleFreeError, PoolExhaustedError, UnknownBlockError
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096
+NUM_SINGLE = 1024
+NUM_CYCLES = 256  # request cycles per timed sample
+
+#: ANCHORS.md: vLLM's pure-Python block pool "measured on a machine like yours".
+VLLM_ANCHOR = {
+    "single": (1.0e6, 2.5e6),
+    "batch 16": (4.0e6, 9.0e6),
+    "batch 1024": (4.0e6, 9.0e6),
+    "request cycle": (30e3, 55e3),
+}
+
+
+# ----------------------------------------------------------------------------
+# vLLM v1's free path, ported (prefix caching off; no events, no metrics).
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class KVCacheBlock:
+    """One block as vLLM v1 keeps it: an object with intrusive list links."""
+
+    block_id: int
+    ref_cnt: int = 0
+    _block_hash: Any = None
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    is_null: bool = False
+
+
+class FreeKVCacheBlockQueue:
+    """vLLM v1's doubly linked free list with a fake head and tail."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        for i in range(self.num_free_blocks):
+            if i > 0:
+                blocks[i].prev_free_block = blocks[i - 1]
+            if i < self.num_free_blocks - 1:
+                blocks[i].next_free_block = blocks[i + 1]
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        self.fake_free_list_head.next_free_block = blocks[0]
+        blocks[0].prev_free_block = self.fake_free_list_head
+        self.fake_free_list_tail.prev_free_block = blocks[-1]
+        blocks[-1].next_free_block = self.fake_free_list_tail
+
+    def popleft(self) -> KVCacheBlock:
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None and first.next_free_block is not None
+        self.fake_free_list_head.next_free_block = first.next_free_block
+        first.next_free_block.prev_free_block = self.fake_free_list_head
+        first.prev_free_block = first.next_free_block = None
+        self.num_free_blocks -= 1
+        return first
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n
+        self.num_free_blocks -= n
+        curr = self.fake_free_list_head.next_free_block
+        ret = []
+        for _ in range(n):
+            assert curr is not None
+            ret.append(curr)
+            last = curr
+            curr = curr.next_free_block
+            last.prev_free_block = None
+            last.next_free_block = None
+        if curr is not None:
+            self.fake_free_list_head.next_free_block = curr
+            curr.prev_free_block = self.fake_free_list_head
+        return ret
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        last = self.fake_free_list_tail.prev_free_block
+        assert last is not None
+        for block in blocks:
+            block.prev_free_block = last
+            last.next_free_block = block
+            last = block
+        last.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+
+class VllmStyleBlockPool:
+    """vLLM v1 ``BlockPool.get_new_blocks`` / ``free_blocks`` with caching off.
+
+    NOTE: recent vLLM puts freed blocks without a hash at the *front* of the
+    queue (``prepend_n``); this port appends them (older vLLM, and pagedkv's
+    FIFO), which costs the same.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks + 1)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft()  # block 0, as vLLM
+        self.null_block.is_null = True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+        return ret
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        blocks_list = list(ordered_blocks)
+        for block in blocks_list:
+            block.ref_cnt -= 1
+        self.free_block_queue.append_n([b for b in blocks_list if b.ref_cnt == 0 and not b.is_null])
+
+    # The BlockAllocator-shaped names the workloads call.
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        return self.get_new_blocks(num_blocks)
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self.free_blocks(blocks)
+
+    def allocate_one(self) -> KVCacheBlock:
+        return self.get_new_blocks(1)[0]
+
+    def free_one(self, block: KVCacheBlock) -> None:
+        self.free_blocks([block])
+
+
+# ----------------------------------------------------------------------------
+# Prototypes of alternative allocators (same API and errors as BlockAllocator).
+# ----------------------------------------------------------------------------
+
+
+class ListFifoAllocator:
+    """Prototype: the same FIFO allocator, the free queue a list with a head index.
+
+    The free ids are ``_queue[_head:]``, handed out from the front, so taking
+    n ids is one C-level slice instead of n ``popleft`` calls; the consumed
+    prefix is dropped (one ``del``, amortized O(1) per id) once it is more
+    than half the list. ``free`` validates and updates in one inline pass
+    (no method call per id): any id that is not an exact int in range or
+    whose ref count is not 1 (shared, already free, or a duplicate) undoes
+    the pass and takes the general path, which raises exactly as
+    :class:`pagedkv.BlockAllocator` does. Same API subset, same errors, same
+    order of ids handed out. (No prefix-cache queue: the real allocator would
+    take the general path while any block is marked cached.)
+    """
+
+    __slots__ = ("_head", "_num_blocks", "_queue", "_ref_counts")
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self._num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._queue = list(range(num_blocks))
+        self._head = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._queue) - self._head
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - self.num_free_blocks
+
+    def free_block_ids(self) -> list[int]:
+        return self._queue[self._head :]
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks.__class__ is not int or num_blocks < 0:
+            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        head = self._head
+        end = head + num_blocks
+        queue = self._queue
+        if end > len(queue):
+            raise PoolExhaustedError(num_blocks, len(queue) - head, self._num_blocks)
+        block_ids = queue[head:end]
+        self._head = end
+        ref_counts = self._ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] = 1
+        return block_ids
+
+    def allocate_one(self) -> int:
+        head = self._head
+        queue = self._queue
+        if head == len(queue):
+            raise PoolExhaustedError(1, 0, self._num_blocks)
+        block_id = queue[head]
+        self._head = head + 1
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        if block_ids.__class__ is not list:
+            block_ids = list(block_ids)
+        ref_counts = self._ref_counts
+        num_blocks = self._num_blocks
+        done = 0
+        for block_id in block_ids:
+            if block_id.__class__ is not int or not 0 <= block_id < num_blocks or ref_counts[block_id] != 1:
+                break
+            ref_counts[block_id] = 0
+            done += 1
+        else:
+            self._push(block_ids)
+            return
+        for block_id in block_ids[:done]:  # undo, then the general path
+            ref_counts[block_id] = 1
+        self._free_general(block_ids)
+
+    def free_one(self, block_id: int) -> None:
+        if block_id.__class__ is not int or not 0 <= block_id < self._num_blocks:
+            self._raise_unknown([block_id])
+        count = self._ref_counts[block_id]
+        if count == 0:
+            raise DoubleFreeError(f"block {block_id} is already free; a block table freed it twice")
+        self._ref_counts[block_id] = count - 1
+        if count == 1:
+            queue = self._queue
+            queue.append(block_id)
+            if self._head > 64 and 2 * self._head > len(queue):
+                del queue[: self._head]
+                self._head = 0
+
+    def _free_general(self, block_ids: list[int]) -> None:
+        """The current allocator's free: every check first, then the updates."""
+        for block_id in block_ids:
+            if isinstance(block_id, bool) or not isinstance(block_id, int):
+                raise UnknownBlockError(f"block id must be an int, got {block_id!r}")
+            if not 0 <= block_id < self._num_blocks:
+                self._raise_unknown([block_id])
+        ref_counts = self._ref_counts
+        for block_id, num_drops in Counter(block_ids).items():
+            if ref_counts[block_id] < num_drops:
+                raise DoubleFreeError(
+                    f"block {block_id} has ref count {ref_counts[block_id]} but was freed "
+                    f"{num_drops} time{'s' if num_drops != 1 else ''}; a block table freed it twice"
+                )
+        freed = []
+        for block_id in block_ids:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
+                freed.append(block_id)
+        self._push(freed)
+
+    def _push(self, block_ids: list[int]) -> None:
+        queue = self._queue
+        queue.extend(block_ids)
+        head = self._head
+        if head > 64 and 2 * head > len(queue):
+            del queue[:head]
+            self._head = 0
+
+    def _raise_unknown(self, block_ids: list[Any]) -> None:
+        for block_id in block_ids:
+            if isinstance(block_id, bool) or not isinstance(block_id, int):
+                raise UnknownBlockError(f"block id must be an int, got {block_id!r}")
+            if not 0 <= block_id < self._num_blocks:
+                raise UnknownBlockError(
+                    f"block id {block_id} is not in this pool (ids 0 to {self._num_blocks - 1})"
+                )
+        raise AssertionError("unreachable")
+
+
+def check_same_as_block_allocator(make: Callable[[int], Any], seed: int = 0) -> None:
+    """Random ops on ``make(n)`` and on BlockAllocator give the same ids, counts and errors."""
+    rng = np.random.default_rng(seed)
+    ref, alt = BlockAllocator(64), make(64)
+    held: list[int] = []
+    for _ in range(3000):
+        op = rng.integers(6)
+        if op == 0:
+            n = int(rng.integers(0, 20))
+            outcomes = []
+            for a in (ref, alt):
+                try:
+                    outcomes.append(a.allocate(n))
+                except PoolExhaustedError:
+                    outcomes.append("exhausted")
+            assert outcomes[0] == outcomes[1], outcomes
+            if outcomes[0] != "exhausted":
+                held += outcomes[0]
+        elif op == 1 and ref.num_free_blocks:
+            ids = [ref.allocate_one(), alt.allocate_one()]
+            assert ids[0] == ids[1]
+            held.append(ids[0])
+        elif op in (2, 3) and held:
+            k = int(rng.integers(1, min(len(held), 12) + 1))
+            picked = [held.pop(int(rng.integers(len(held)))) for _ in range(k)]
+            if op == 2:
+                ref.free(picked)
+                alt.free(picked)
+            else:
+                for b in picked:
+                    ref.free_one(b)
+                    alt.free_one(b)
+        elif op == 4 and held:
+            # A double free, or an unknown id, raises the same error and changes nothing.
+            bad = [held[0]] * (ref.ref_count(held[0]) + 1) if rng.integers(2) else [held[0], 999]
+            errors = []
+            for a in (ref, alt):
+                try:
+                    a.free(bad)
+                except (DoubleFreeError, UnknownBlockError) as error:
+                    errors.append(type(error))
+            assert len(errors) == 2 and errors[0] is errors[1], errors
+        elif op == 5 and held:
+            ref.share([held[-1]])
+            alt._ref_counts[held[-1]] += 1  # the prototypes have no share(); same effect
+            held.append(held[-1])
+        assert ref.free_block_ids() == alt.free_block_ids()
+        assert [ref.ref_count(i) for i in range(64)] == [alt.ref_count(i) for i in range(64)]
+
+
+# ----------------------------------------------------------------------------
+# Workloads. Each returns (units done, (wall seconds, CPU seconds)) for one sample.
+# ----------------------------------------------------------------------------
+
+Seconds = tuple[float, float]
+
+
+def _now() -> Seconds:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: Seconds) -> Seconds:
+    wall, cpu = time.perf_counter(), time.process_time()
+    return wall - start[0], cpu - start[1]
+
+
+
+def raw_single(alloc: Any, variant: str) -> tuple[int, Seconds]:
+    held = []
+    if variant == "one":
+        take, give = alloc.allocate_one, alloc.free_one
+        t0 = _now()
+        for _ in range(NUM_SINGLE):
+            held.append(take())
+        for block in held:
+            give(block)
+    else:
+        take_n, give_n = alloc.allocate, alloc.free
+        t0 = _now()
+        for _ in range(NUM_SINGLE):
+            held.append(take_n(1)[0])
+        for block in held:
+            give_n([block])
+    return NUM_SINGLE, _since(t0)
+
+
+def raw_batch(alloc: Any, size: int) -> tuple[int, Seconds]:
+    take, give = alloc.allocate, alloc.free
+    num_calls = max(1, NUM_SINGLE // size)
+    t0 = _now()
+    held = [take(size) for _ in range(num_calls)]
+    for blocks in held:
+        give(blocks)
+    return num_calls * size, _since(t0)
+
+
+def raw_cycle(alloc: Any) -> tuple[int, Seconds]:
+    take, take_one, give = alloc.allocate, alloc.allocate_one, alloc.free
+    t0 = _now()
+    for _ in range(NUM_CYCLES):
+        blocks = take(32)
+        for _ in range(8):
+            blocks.append(take_one())
+        blocks.reverse()  # tail first
+        give(blocks)
+    return NUM_CYCLES, _since(t0)
+
+
+def _mark_written(manager: KVCacheManager, batch: Any) -> None:
+    """Record every layer of ``batch`` as written without copying k/v (private state)."""
+    seqs = manager._seqs
+    for seq_id in batch.seq_ids:
+        seq = seqs[seq_id]
+        seq.num_written = [seq.table.num_tokens] * len(seq.num_written)
+
+
+class ManagerBench:
+    """The manager's reserve/free on a pool whose storage is one float per slot."""
+
+    def __init__(self, write: bool, allocator: Any = None) -> None:
+        self.pool = KVPool(NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=1, dtype=np.float32)
+        if allocator is not None:
+            self.pool.allocator = allocator  # a prototype; the pool's check_invariants won't know it
+        self.manager = KVCacheManager(self.pool)
+        self.write = write
+        self._next_id = 0
+        sizes = (1, BLOCK_SIZE, 16 * BLOCK_SIZE, 32 * BLOCK_SIZE)
+        self._kv = {n: np.zeros((n, 1, 1), np.float32) for n in sizes}
+        self._kv[1024 * BLOCK_SIZE] = np.zeros((1024 * BLOCK_SIZE, 1, 1), np.float32)
+
+    def _settle(self, batch: Any) -> None:
+        if self.write:
+            kv = self._kv[batch.num_tokens]
+            self.manager.write(0, batch, kv, kv)
+        else:
+            _mark_written(self.manager, batch)
+
+    def _new_ids(self, n: int) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        for seq_id in ids:
+            self.manager.add_sequence(seq_id)
+        return ids
+
+    def single(self) -> tuple[int, Seconds]:
+        manager, settle = self.manager, self._settle
+        reserve, free = manager.reserve, manager.free
+        ids = self._new_ids(NUM_SINGLE)
+        t0 = _now()
+        for seq_id in ids:
+            settle(reserve({seq_id: BLOCK_SIZE}))
+        for seq_id in ids:
+            free(seq_id)
+        return NUM_SINGLE, _since(t0)
+
+    def batch(self, size: int) -> tuple[int, Seconds]:
+        manager, settle = self.manager, self._settle
+        reserve, free = manager.reserve, manager.free
+        ids = self._new_ids(max(1, NUM_SINGLE // size))
+        t0 = _now()
+        for seq_id in ids:
+            settle(reserve({seq_id: size * BLOCK_SIZE}))
+        for seq_id in ids:
+            free(seq_id)
+        return len(ids) * size, _since(t0)
+
+    def batch_across(self, size: int) -> tuple[int, Seconds]:
+        """One reserve for ``size`` sequences taking one block each (a decode step's shape)."""
+        manager, settle = self.manager, self._settle
+        ids = self._new_ids(NUM_SINGLE)
+        groups = [{seq_id: BLOCK_SIZE for seq_id in ids[i : i + size]} for i in range(0, NUM_SINGLE, size)]
+        t0 = _now()
+        for group in groups:
+            settle(manager.reserve(group))
+        for seq_id in ids:
+            manager.free(seq_id)
+        return NUM_SINGLE, _since(t0)
+
+    def token_cycle(self) -> tuple[int, Seconds]:
+        """A request decoding one token per step: 32-block prefill, 128 one-token reserves, free."""
+        manager, settle = self.manager, self._settle
+        add, reserve, free = manager.add_sequence, manager.reserve, manager.free
+        num_cycles = max(1, NUM_CYCLES // 8)
+        ids = list(range(self._next_id, self._next_id + num_cycles))
+        self._next_id += num_cycles
+        t0 = _now()
+        for seq_id in ids:
+            add(seq_id)
+            settle(reserve({seq_id: 32 * BLOCK_SIZE}))
+            for _ in range(8 * BLOCK_SIZE):
+                settle(reserve({seq_id: 1}))
+            free(seq_id)
+        return num_cycles, _since(t0)
+
+    def cycle(self) -> tuple[int, Seconds]:
+        manager, settle = self.manager, self._settle
+        add, reserve, free = manager.add_sequence, manager.reserve, manager.free
+        ids = list(range(self._next_id, self._next_id + NUM_CYCLES))
+        self._next_id += NUM_CYCLES
+        t0 = _now()
+        for seq_id in ids:
+            add(seq_id)
+            settle(reserve({seq_id: 32 * BLOCK_SIZE}))
+            for _ in range(8):
+                settle(reserve({seq_id: BLOCK_SIZE}))
+            free(seq_id)
+        return NUM_CYCLES, _since(t0)
+
+
+# ----------------------------------------------------------------------------
+# Driver.
+# ----------------------------------------------------------------------------
+
+
+def run(rows: list[tuple[str, str, Callable[[], tuple[int, Seconds]]]], repeats: int) -> dict[str, Seconds]:
+    """Interleave the rows round-robin; return each row's median (wall, CPU) units per second.
+
+    NOTE: CPU time (``time.process_time``) leaves out the time this process
+    waits for a core, most of the noise on a shared 2-core machine; the
+    table's verdicts use it.
+    """
+    samples: dict[str, list[Seconds]] = {name: [] for _, name, _ in rows}
+    for _, _, fn in rows:  # warm up
+        fn()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for _, name, fn in rows:
+                units, (wall, cpu) = fn()
+                samples[name].append((units / wall, units / max(cpu, 1e-9)))
+    finally:
+        gc.enable()
+    return {
+        name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
+        for name, values in samples.items()
+    }
+
+
+def fmt_rate(rate: float) -> str:
+    return f"{rate / 1e6:.2f} M" if rate >= 1e6 else f"{rate / 1e3:.1f} k"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--quick", action="store_true", help="few repeats; a smoke run")
+    parser.add_argument("--profile", action="store_true", help="cProfile the slowest paths")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else args.repeats
+
+    for make in (ListFifoAllocator,):
+        check_same_as_block_allocator(make)
+
+    raw = BlockAllocator(NUM_BLOCKS)
+    vllm = VllmStyleBlockPool(NUM_BLOCKS)
+    fast = ListFifoAllocator(NUM_BLOCKS)
+    mgr = ManagerBench(write=False)
+    mgr_w = ManagerBench(write=True)
+    mgr_fast = ManagerBench(write=False, allocator=ListFifoAllocator(NUM_BLOCKS))
+    impls = [
+        ("pagedkv BlockAllocator", raw),
+        ("vLLM-style port", vllm),
+        ("ListFifoAllocator (the prototype BlockAllocator now follows)", fast),
+    ]
+
+    # (workload, implementation, fn)
+    rows: list[tuple[str, str, Callable[[], tuple[int, Seconds]]]] = []  # (workload, name, fn)
+    for label, alloc in impls:
+        if alloc is not vllm:  # vLLM's pool has no single-block call
+            rows.append(("single", f"{label}: allocate_one/free_one", lambda a=alloc: raw_single(a, "one")))
+        rows.append(("single", f"{label}: allocate(1)/free([b])", lambda a=alloc: raw_single(a, "n")))
+        rows.append(("batch 16", f"{label}: allocate(16)/free", lambda a=alloc: raw_batch(a, 16)))
+        rows.append(("batch 1024", f"{label}: allocate(1024)/free", lambda a=alloc: raw_batch(a, 1024)))
+        rows.append(("request cycle", f"{label}", lambda a=alloc: raw_cycle(a)))
+    for label, bench in (("manager bookkeeping", mgr), ("manager + write", mgr_w)):
+        rows.append(("single", f"{label}: reserve 16 tokens/free", bench.single))
+        rows.append(("batch 16", f"{label}: reserve 256 tokens/free", lambda b=bench: b.batch(16)))
+        rows.append(("batch 16", f"{label}: reserve 16 seqs x 16 tokens", lambda b=bench: b.batch_across(16)))
+        rows.append(("batch 1024", f"{label}: reserve 16384 tokens/free", lambda b=bench: b.batch(1024)))
+        rows.append(("request cycle", f"{label}: add, reserve x9, free", bench.cycle))
+        rows.append(("request cycle", f"{label}: add, reserve 512 + 128 x 1 token, free", bench.token_cycle))
+    on_fast = "manager bookkeeping on ListFifoAllocator"
+    rows.append(("batch 16", f"{on_fast}: reserve 256 tokens/free", lambda: mgr_fast.batch(16)))
+    rows.append(("request cycle", f"{on_fast}: add, reserve x9, free", mgr_fast.cycle))
+
+    rates = run(rows, repeats)
+    assert raw.num_free_blocks == fast.num_free_blocks == NUM_BLOCKS
+    assert vllm.get_num_free_blocks() == NUM_BLOCKS
+    raw.check_invariants()
+    mgr.manager.check_invariants()
+    mgr_w.manager.check_invariants()
+    for bench in (mgr, mgr_w, mgr_fast):
+        assert bench.pool.num_free_blocks == NUM_BLOCKS
+
+    parameters = [
+        f"parameters: pool {NUM_BLOCKS} blocks, block_size {BLOCK_SIZE}; single = {NUM_SINGLE} blocks "
+        f"taken one call each, then freed one call each (a block counts once for its round trip); "
+        f"batch = {NUM_SINGLE} blocks in calls of 16 (or one call of 1024), then freed the same way; "
+        f"request cycle = allocate 32 + 8 x allocate_one + free 40 tail first ({NUM_CYCLES} cycles "
+        "per sample); manager rows: one sequence per request, 16 tokens per block",
+        f"timing: medians of {repeats} interleaved samples, CPU time (process_time, which leaves out "
+        "waiting for a core on this shared machine) and wall clock; verdicts from CPU time; "
+        "GC off while timing",
+    ]
+    print(header("Allocator throughput (benchmarks/bench_allocator.py)", parameters))
+    print()
+    port = {workload: rates[name][1] for workload, name, _ in rows if name.startswith("vLLM-style port")}
+    print("| workload | implementation | median (CPU time) | median (wall) | unit | x vLLM port | "
+          "vs vLLM's figures (ANCHORS.md) |")
+    print("|---|---|---:|---:|---|---:|---|")
+    for workload, name, _ in rows:
+        wall_rate, rate = rates[name]
+        low, high = VLLM_ANCHOR[workload]
+        unit = "cycles/s" if workload == "request cycle" else "blocks/s"
+        verdict = f"{rate / high:.2f}x the top ({fmt_rate(low)}-{fmt_rate(high)})"
+        if rate < low:
+            verdict = f"**slower** than {fmt_rate(low)} ({rate / low:.2f}x)"
+        elif rate < high:
+            verdict = f"inside {fmt_rate(low)}-{fmt_rate(high)}"
+        print(
+            f"| {workload} | {name} | {fmt_rate(rate)} | {fmt_rate(wall_rate)} | {unit} | "
+            f"{rate / port[workload]:.2f} | {verdict} |"
+        )
+
+    if args.profile:
+        profile(raw, mgr)
+        proposals(repeats)
+    print()
+    print(footer())
+
+
+def profile(raw: BlockAllocator, mgr: ManagerBench) -> None:
+    for title, fn in (
+        ("raw BlockAllocator: batch 16", lambda: [raw_batch(raw, 16) for _ in range(300)]),
+        ("raw BlockAllocator: request cycle", lambda: [raw_cycle(raw) for _ in range(40)]),
+        ("manager bookkeeping: request cycle", lambda: [mgr.cycle() for _ in range(8)]),
+        ("manager bookkeeping: one-token reserves", lambda: [mgr.token_cycle() for _ in range(4)]),
+        ("manager bookkeeping: 16 seqs x 16 tokens", lambda: [mgr.batch_across(16) for _ in range(8)]),
+    ):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        fn()
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
+        print(f"\n## cProfile: {title}\n")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
+
+
+def python_range_slots(table: Any, ranges: list[tuple[int, int]]) -> list[int]:
+    """``range_slots`` without numpy: one ``range`` per block run (a proposal)."""
+    block_size = table.block_size
+    slots: list[int] = []
+    for start, end in ranges:
+        position = start
+        while position < end:
+            first = table.slot(position)
+            num = min(block_size - position % block_size, end - position)
+            slots.extend(range(first, first + num))
+            position += num
+    return slots
+
+
+def proposals(repeats: int) -> None:
+    """Measure the pieces of ``reserve`` that the profile points at, and one patch end to end."""
+    import timeit
+    from itertools import accumulate
+
+    import pagedkv.manager as manager_module
+    from pagedkv.batch import Batch
+
+    def cpu_us(fn: Callable[[], Any], number: int) -> float:
+        times = timeit.repeat(fn, number=number, repeat=max(5, repeats // 3), timer=time.process_time)
+        return statistics.median(times) / number * 1e6
+
+    print("\n## Where reserve's time goes (CPU µs per call, median)\n")
+    print("| piece | now | proposal | proposal's code |")
+    print("|---|---:|---:|---|")
+    pool = KVPool(NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=1, dtype=np.float32)
+    manager = KVCacheManager(pool)
+    manager.add_sequence("s")
+    batch = manager.reserve({"s": 600})
+    _mark_written(manager, batch)
+    table = manager.block_table("s")
+    range_slots = manager_module.range_slots
+    for n in (16, 512):
+        ranges = [(600 - n, 600)]
+        assert range_slots(table, ranges).tolist() == python_range_slots(table, ranges)
+        now = cpu_us(lambda r=ranges: range_slots(table, r).tolist(), 2000)
+        new = cpu_us(lambda r=ranges: python_range_slots(table, r), 2000)
+        code = "`python_range_slots`: one `range` per block"
+        print(f"| slots of {n} new tokens | {now:.2f} | {new:.2f} | {code} |")
+    for num_seqs in (1, 64):
+        counts = [1] * num_seqs
+        now = cpu_us(lambda c=counts: np.concatenate([[0], np.cumsum(c)]).astype(np.int64), 5000)
+        new = cpu_us(lambda c=counts: np.array([0, *accumulate(c)], np.int64), 5000)
+        code = "`np.array([0, *accumulate(counts)], np.int64)`"
+        print(f"| query_start, {num_seqs} seqs | {now:.2f} | {new:.2f} | {code} |")
+    query_start, slots = np.array([0, 1]), np.array([3])
+    made = cpu_us(lambda: Batch(seq_ids=("s",), num_new_tokens=(1,), first_positions=(0,),
+                                query_start=query_start, slot_mapping=slots, reservation_ids=(1,)), 5000)
+    print(f"| Batch(...) (frozen dataclass) | {made:.2f} | | |")
+
+    def one_token() -> None:
+        _mark_written(manager, manager.reserve({"s": 1}))
+
+    print(f"| reserve 1 token (1 seq), whole call | {cpu_us(one_token, 200):.2f} | | |")
+    manager.free("s")
+    # A multi-token reserve builds an array of the whole table (np.array(table.block_ids) in
+    # range_slots): its cost grows with the tokens already held.
+    big = KVCacheManager(KVPool(8192, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=1, dtype=np.float32))
+    patched = lambda table, ranges: np.array(python_range_slots(table, ranges), np.intp)  # noqa: E731
+    for held in (512, 16384, 65536):
+        big.add_sequence(held)
+        _mark_written(big, big.reserve({held: held}))
+
+        def grow(seq_id: int = held) -> None:
+            _mark_written(big, big.reserve({seq_id: BLOCK_SIZE}))
+
+        now = cpu_us(grow, 20)
+        manager_module.range_slots = patched  # type: ignore[assignment]
+        try:
+            new = cpu_us(grow, 20)
+        finally:
+            manager_module.range_slots = range_slots  # type: ignore[assignment]
+        print(f"| reserve 16 tokens, whole call, {held} tokens held | {now:.2f} | {new:.2f} | "
+              "range_slots patched to `python_range_slots` |")
+        big.free(held)
+
+    # End to end: the request cycle with range_slots swapped for the Python one.
+    bench = ManagerBench(write=False)
+    rates = {}
+    for label, replacement in (("now", range_slots), ("python range_slots", patched)):
+        manager_module.range_slots = replacement  # type: ignore[assignment]
+        try:
+            bench.cycle()
+            samples = [bench.cycle() for _ in range(max(5, repeats // 2))]
+        finally:
+            manager_module.range_slots = range_slots  # type: ignore[assignment]
+        rates[label] = statistics.median(units / cpu for units, (_, cpu) in samples)
+    print(
+        f"\nrequest cycle through the manager (bookkeeping): {fmt_rate(rates['now'])} cycles/s now, "
+        f"{fmt_rate(rates['python range_slots'])} with range_slots in pure Python "
+        f"({rates['python range_slots'] / rates['now']:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    with threadpool_limits(limits=1, user_api="blas"):  # nothing here uses BLAS; pinned all the same
+        main(sys.argv[1:])

@@ -1,0 +1,295 @@
+"""``pagedkv check MODULE:FACTORY``: run the conformance state machine on any importable cache.
+
+The factory is imported (the current directory is searched first, as with
+``python -m``), then :func:`pagedkv.testing.check_cache` drives the caches it
+builds beside the oracle. The verdict goes to stdout: passed, with how many
+examples and calls; or the shrunk failing program as runnable Python.
+
+Exit status: 0 when the cache passed, 1 when a failure was found, 2 on bad
+usage (a spec without ``:``, a module that does not import, a missing or
+uncallable attribute, a factory that takes no ``max_size``, no Hypothesis).
+
+Only the standard library is imported here; Hypothesis and the kit load when
+the command runs, so ``pagedkv demo`` never pays for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import random
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "UsageError",
+    "add_check_parser",
+    "configure",
+    "load_factory",
+    "main",
+    "parse_max_sizes",
+    "run_check",
+]
+
+_HEADS = {
+    "one": ("one-head",),
+    "multi": ("multi-head",),
+    "gqa": ("grouped-query",),
+    "all": ("one-head", "multi-head", "grouped-query"),
+}
+
+
+class UsageError(Exception):
+    """The command line cannot be acted on; the message says why (exit status 2)."""
+
+
+def parse_max_sizes(text: str) -> tuple[int | None, ...]:
+    """Parse ``--max-size``: comma-separated ``none``, ints and ranges ``A-B``.
+
+    Args:
+        text: e.g. ``"none,1-6"`` or ``"4"``.
+
+    Returns:
+        The window sizes, ``None`` for unbounded.
+
+    Raises:
+        argparse.ArgumentTypeError: an item is not ``none``, a positive int or a range.
+
+    >>> parse_max_sizes("none,1-3,8")
+    (None, 1, 2, 3, 8)
+    """
+    sizes: list[int | None] = []
+    for item in text.lower().split(","):
+        item = item.strip()
+        try:
+            if item == "none":
+                sizes.append(None)
+            elif "-" in item:
+                low, high = (int(part) for part in item.split("-", 1))
+                if low < 1 or high < low:
+                    raise ValueError(item)
+                sizes += range(low, high + 1)
+            else:
+                if int(item) < 1:
+                    raise ValueError(item)
+                sizes.append(int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--max-size takes none, positive ints and ranges like 1-6, got {item!r}"
+            ) from None
+    return tuple(dict.fromkeys(sizes))
+
+
+def _heads(text: str) -> tuple[str, ...]:
+    layouts: list[str] = []
+    for item in text.split(","):
+        if item.strip() not in _HEADS:
+            raise argparse.ArgumentTypeError(
+                f"--heads takes {', '.join(_HEADS)} (comma-separated), got {item!r}"
+            )
+        layouts += [layout for layout in _HEADS[item.strip()] if layout not in layouts]
+    return tuple(layouts)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``check`` options to ``parser``.
+
+    Args:
+        parser: the ``check`` subparser (or a standalone parser).
+
+    Returns:
+        ``parser``.
+    """
+    parser.add_argument("spec", metavar="MODULE:FACTORY", help="e.g. pagedkv:KVCache or mycache:make")
+    parser.add_argument(
+        "--max-examples", type=_positive, default=100, help="examples to try (default 100)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a new one)")
+    parser.add_argument(
+        "--steps", type=_positive, default=30, help="most steps per example (default 30)"
+    )
+    parser.add_argument(
+        "--max-size", type=parse_max_sizes, default=(None, *range(1, 7)), metavar="SIZES",
+        help="windows to draw: none, ints, ranges, e.g. none,1-6 (the default)",
+    )
+    parser.add_argument(
+        "--heads", type=_heads, default=("one-head",), metavar="LAYOUTS",
+        help="one (vectors [d], the default), multi, gqa, all; comma-separated",
+    )
+    parser.add_argument("--head-dim", type=_positive, default=4, help="largest head_dim (default 4)")
+    parser.add_argument(
+        "--max-heads", type=_positive, default=4, help="most query heads (default 4)"
+    )
+    parser.add_argument("--arrays", action="store_true", help="feed numpy arrays, not lists")
+    parser.add_argument(
+        "--precision", choices=("float64", "float32"), default="float64",
+        help="what the cache computes in; sets the tolerance (default float64)",
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="the cache's score scale (default 1)")
+    parser.add_argument(
+        "--caches", type=_positive, default=2, help="most caches per example (default 2)"
+    )
+    parser.add_argument(
+        "--no-close", action="store_true", help="do not call close() on the caches afterwards"
+    )
+    parser.add_argument(
+        "-o", "--output", default=None, metavar="FILE", help="also write a failing program to FILE"
+    )
+    parser.set_defaults(run=run_check)
+    return parser
+
+
+def add_check_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add the ``check`` subcommand to the ``pagedkv`` command line.
+
+    Args:
+        commands: the ``add_subparsers()`` object of the main parser.
+
+    Returns:
+        The new subparser.
+    """
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "check",
+        help="run the conformance state machine against a cache factory",
+        description="Drive the caches MODULE:FACTORY builds (factory(max_size=None) or "
+        "factory(max_size=W), each with attend(q, k, v)) beside the naive oracle, and print "
+        "a verdict: passed, or the shrunk failing program as runnable Python. Exit status "
+        "0 on pass, 1 on a failure found, 2 on bad usage.",
+    )
+    return configure(parser)
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Import ``MODULE:FACTORY`` (``FACTORY`` may be dotted) and check it can take ``max_size``.
+
+    Args:
+        spec: e.g. ``"pagedkv:KVCache"``.
+
+    Returns:
+        The factory.
+
+    Raises:
+        UsageError: a bad spec, a module that does not import, a missing or
+            uncallable attribute, or a signature without ``max_size``.
+
+    >>> load_factory("pagedkv:KVCache").__name__
+    'KVCache'
+    """
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UsageError(f"expected MODULE:FACTORY (e.g. pagedkv:KVCache), got {spec!r}")
+    if os.getcwd() not in sys.path:  # as `python -m` does, so local modules import
+        sys.path.insert(0, os.getcwd())
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import module {module_name!r}: {error}") from error
+    except Exception as error:
+        raise UsageError(
+            f"importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise UsageError(f"module {module_name!r} has no attribute {attribute!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise UsageError(f"{spec} is a {type(found).__name__}, not a callable factory")
+    try:
+        inspect.signature(found).bind(max_size=None)
+    except TypeError as error:
+        raise UsageError(f"{spec} cannot be called as factory(max_size=None): {error}") from error
+    except ValueError:  # no signature (a builtin): try it when the machine runs
+        pass
+    return found  # type: ignore[no-any-return]
+
+
+def _rerun(args: argparse.Namespace, seed: int) -> str:
+    parts = ["pagedkv", "check", args.spec, "--seed", str(seed)]
+    defaults = configure(argparse.ArgumentParser()).parse_args([args.spec])
+    for name in ("max_examples", "steps", "head_dim", "max_heads", "precision", "scale", "caches"):
+        if getattr(args, name) != getattr(defaults, name):
+            parts += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.max_size != defaults.max_size:
+        parts += ["--max-size", ",".join("none" if s is None else str(s) for s in args.max_size)]
+    if args.heads != defaults.heads:
+        names = {layouts[0]: short for short, layouts in _HEADS.items() if len(layouts) == 1}
+        parts += ["--heads", ",".join(names[layout] for layout in args.heads)]
+    parts += ["--arrays"] * args.arrays + ["--no-close"] * args.no_close
+    return " ".join(parts)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Run ``pagedkv check`` with parsed arguments; print the verdict.
+
+    Args:
+        args: from the ``check`` parser.
+
+    Returns:
+        The exit status: 0 passed, 1 failure found, 2 bad usage.
+    """
+    try:
+        factory = load_factory(args.spec)
+        from hypothesis import strategies as st
+
+        from pagedkv.testing.stateful import check_cache
+        from pagedkv.testing.strategies import shapes
+    except UsageError as error:
+        print(f"pagedkv check: error: {error}", file=sys.stderr)
+        return 2
+    except ImportError as error:  # Hypothesis is missing
+        print(f"pagedkv check: error: {error}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    windows = ", ".join("None" if s is None else str(s) for s in args.max_size)
+    print(
+        f"Checking {args.spec}: {'/'.join(args.heads)}, head_dim <= {args.head_dim}, "
+        f"max_size in [{windows}], {'arrays' if args.arrays else 'lists'}, {args.precision}; "
+        f"{args.max_examples} examples of up to {args.steps} steps, seed {seed}.",
+        flush=True,
+    )
+    verdict = check_cache(
+        factory,
+        max_examples=args.max_examples,
+        seed=seed,
+        steps=args.steps,
+        feed="arrays" if args.arrays else "lists",
+        shapes=shapes(layouts=args.heads, max_head_dim=args.head_dim, max_heads=args.max_heads),
+        max_sizes=st.sampled_from(args.max_size),
+        scale=args.scale,
+        precision=args.precision,
+        max_caches=args.caches,
+        close=not args.no_close,
+        factory_code=args.spec,
+    )
+    print(verdict.report(rerun=None if verdict.passed else _rerun(args, seed)), end="")
+    if not verdict.passed and args.output and verdict.reproducer is not None:
+        with open(args.output, "w", encoding="utf-8") as file:
+            file.write(verdict.reproducer)
+        print(f"Wrote the failing program to {args.output}.")
+    return 0 if verdict.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pagedkv check`` on its own: parse ``argv`` (without the word ``check``) and run.
+
+    Args:
+        argv: the arguments; default ``sys.argv[1:]``.
+
+    Returns:
+        The exit status.
+    """
+    parser = configure(argparse.ArgumentParser(prog="pagedkv check"))
+    return run_check(parser.parse_args(argv))

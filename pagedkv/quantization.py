@@ -1,0 +1,461 @@
+"""Quantized pages: keys and values stored in 8 bits, dequantized inside attention.
+
+A pool may store keys and values (separately, as llama.cpp allows) as
+
+* ``"int8"``: symmetric, ``x ≈ code * scale`` with ``code`` in ``-127 .. 127``;
+* ``"float8_e4m3"``: ``x ≈ fp8(x / scale) * scale`` in ml_dtypes'
+  ``float8_e4m3fn`` (finite, max 448: the format NVIDIA, vLLM and FlashInfer
+  use), behind the ``fp8`` extra.
+
+One scale per **group of** ``GROUP_SIZE`` **consecutive head_dim values** of
+each token and head, ``scale = max|x| / max_code`` over the group, stored in
+the compute dtype (float32 or float64)::
+
+    one token, one head, head_dim 128:   | g0: 32 values | g1 | g2 | g3 |
+    codes  (head_dim,)      int8 or fp8, 1 byte each
+    scales (head_dim / 32,) compute dtype, one per group
+
+NOTE: per group, not one scale per token per head: measured on keys whose
+channels include a few 100× larger ones (as real keys have), groups of 32 cut
+the attend output error by about a third for int8 and by more than half for
+fp8 at 0.09 extra bytes per value, and by 15-20% on plain Gaussian data
+(numbers in ``docs/quantization.md``). A scale stored in the compute dtype
+covers every finite input; a float16 scale, as llama.cpp's q8_0 stores,
+would overflow past 65504.
+
+Attention never dequantizes the cache: :func:`attend_chunked` dequantizes the
+window ``CHUNK_TOKENS`` tokens at a time, counted from the window's first
+token, so chunk boundaries depend only on logical positions. The paged cache
+and the no-cache recompute run this same kernel on the same codes and are
+equal bit for bit.
+
+>>> storage = storage_format("int8", head_dim=4)
+>>> codes, scales = storage.quantize(np.array([[1.0, -2.0, 0.5, 4.0]]))
+>>> codes.tolist(), scales.tolist()
+([[32, -64, 16, 127]], [[0.031496062992125984]])
+>>> storage.dequantize(codes, scales, np.dtype(np.float64)).round(3).tolist()
+[[1.008, -2.016, 0.504, 4.0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.errors import ConfigError, InputTypeError
+
+__all__ = [
+    "CHUNK_TOKENS",
+    "GROUP_SIZE",
+    "STORAGE_DTYPES",
+    "QuantizedTokens",
+    "StorageFormat",
+    "Tokens",
+    "attend_chunked",
+    "attend_chunked_masked",
+    "bytes_per_token",
+    "check_storage_dtype",
+    "run_tokens",
+    "storage_format",
+    "take_tokens",
+    "write_tokens",
+]
+
+#: The quantized storage dtypes; ``None`` stores keys or values unquantized.
+STORAGE_DTYPES = ("int8", "float8_e4m3")
+
+#: Values of head_dim sharing one scale (or the largest divisor of head_dim below it).
+GROUP_SIZE = 32
+
+#: Tokens dequantized at a time by attention (see benchmarks/bench_quant_snapshot.py).
+CHUNK_TOKENS = 1024
+
+_MAX_CODE = {"int8": 127.0, "float8_e4m3": 448.0}
+
+
+def check_storage_dtype(name: str, value: object) -> str | None:
+    """Validate a ``key_dtype``/``value_dtype`` option: None, ``"int8"`` or ``"float8_e4m3"``.
+
+    Raises:
+        InputTypeError: not a string or None.
+        ConfigError: an unknown name.
+
+    >>> check_storage_dtype("key_dtype", "int8")
+    'int8'
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InputTypeError(f"{name} must be None or one of {STORAGE_DTYPES}, got {value!r}")
+    if value not in STORAGE_DTYPES:
+        raise ConfigError(f"{name} must be None or one of {STORAGE_DTYPES}, got {value!r}")
+    return value
+
+
+def _float8_dtype() -> np.dtype[Any]:
+    try:
+        import ml_dtypes
+    except ImportError as error:
+        raise ImportError(
+            'float8_e4m3 storage needs the ml_dtypes package: pip install "pagedkv[fp8]"'
+        ) from error
+    code_dtype: np.dtype[Any] = np.dtype(ml_dtypes.float8_e4m3fn)
+    return code_dtype
+
+
+_FP8_VALUES: dict[np.dtype[Any], npt.NDArray[np.floating]] = {}
+
+
+def _fp8_values(dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+    """The value of every fp8 code 0..255, in ``dtype`` (exact), built once per dtype."""
+    table = _FP8_VALUES.get(dtype)
+    if table is None:
+        codes = np.arange(256, dtype=np.uint8).view(_float8_dtype())
+        with np.errstate(invalid="ignore"):
+            table = _FP8_VALUES[dtype] = codes.astype(dtype)
+    return table
+
+
+def _group_size(head_dim: int) -> int:
+    return max(size for size in range(1, min(GROUP_SIZE, head_dim) + 1) if head_dim % size == 0)
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    """How one side (keys or values) of a pool is stored: codes plus a scale per group.
+
+    Attributes:
+        name: ``"int8"`` or ``"float8_e4m3"``.
+        head_dim: values per head.
+        group_size: values sharing one scale; divides ``head_dim``.
+        code_dtype: ``int8`` or ml_dtypes' ``float8_e4m3fn``.
+        max_code: the largest code magnitude, 127 or 448; a group's largest
+            value maps onto it.
+    """
+
+    name: str
+    head_dim: int
+    group_size: int
+    code_dtype: np.dtype[Any]
+    max_code: float
+
+    @property
+    def num_groups(self) -> int:
+        """Scales per token per head."""
+        return self.head_dim // self.group_size
+
+    def bytes_per_head(self, dtype: np.dtype[Any]) -> int:
+        """Bytes one token's head takes: its codes plus its scales in ``dtype``."""
+        return self.head_dim * self.code_dtype.itemsize + self.num_groups * dtype.itemsize
+
+    def quantize(
+        self, x: npt.NDArray[np.floating]
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[np.floating]]:
+        """Codes and scales of ``x`` ``(..., head_dim)``, scales in ``x``'s dtype.
+
+        Returns:
+            ``(codes (..., head_dim), scales (..., num_groups))``, new arrays.
+            Elementwise given each group's maximum, so a token's codes never
+            depend on which other tokens are quantized with it.
+        """
+        groups = x.reshape(*x.shape[:-1], self.num_groups, self.group_size)
+        scales = np.abs(groups).max(axis=-1) / x.dtype.type(self.max_code)  # (..., num_groups)
+        divisors = np.where(scales > 0, scales, x.dtype.type(1))
+        scaled = groups / divisors[..., None]
+        # NOTE: clip before the cast: fp8 e4m3fn has no infinity and turns
+        # anything past 464 into NaN; rounding x / scale can overshoot 448 by an ulp.
+        np.clip(scaled, -self.max_code, self.max_code, out=scaled)
+        if self.name == "int8":
+            np.rint(scaled, out=scaled)
+        codes = scaled.astype(self.code_dtype).reshape(x.shape)
+        return codes, scales
+
+    def dequantize(
+        self, codes: npt.NDArray[Any], scales: npt.NDArray[np.floating], dtype: np.dtype[Any]
+    ) -> npt.NDArray[np.floating]:
+        """``code * scale`` per value, as a new contiguous ``(..., head_dim)`` array of ``dtype``."""
+        shape = codes.shape
+        groups = codes.reshape(*shape[:-1], self.num_groups, self.group_size)
+        if self.name == "int8":
+            # One pass: the ufunc casts the codes as it multiplies.
+            out: npt.NDArray[np.floating] = np.multiply(groups, scales[..., None], dtype=dtype)
+            return out.reshape(shape)
+        # NOTE: ml_dtypes' own fp8 -> float cast runs through a generic loop,
+        # about 6x slower; a 256-entry table of the exact values gives the
+        # same numbers (each code's value is exact in float32), then one
+        # rounding in the multiply, as before.
+        out = np.take(_fp8_values(dtype), groups.view(np.uint8))
+        out *= scales[..., None]
+        return out.reshape(shape)
+
+    def group_max_abs(
+        self, codes: npt.NDArray[Any], scales: npt.NDArray[np.floating], dtype: np.dtype[Any]
+    ) -> npt.NDArray[np.floating]:
+        """``max |code * scale|`` per group ``(..., num_groups)``, without dequantizing every value.
+
+        Equal to the maximum over each group of ``|dequantize(...)|``, bit for
+        bit (rounding is monotonic). fp8 codes may come as their uint8 bytes.
+        """
+        groups = codes.reshape(*codes.shape[:-1], self.num_groups, self.group_size)
+        if self.name == "int8":
+            largest = np.maximum(groups.max(axis=-1).astype(dtype), -groups.min(axis=-1).astype(dtype))
+        else:  # e4m3 magnitudes order like their 7 low bits
+            magnitude = (groups.view(np.uint8) & 0x7F).max(axis=-1)
+            largest = np.take(_fp8_values(dtype), magnitude)
+        result: npt.NDArray[np.floating] = largest * scales
+        return result
+
+
+def storage_format(name: str, head_dim: int) -> StorageFormat:
+    """The :class:`StorageFormat` called ``name`` for heads of ``head_dim`` values.
+
+    Raises:
+        ConfigError, InputTypeError: an unknown name.
+        ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
+    """
+    name = check_storage_dtype("storage dtype", name) or ""
+    if not name:
+        raise ConfigError("storage dtype must be 'int8' or 'float8_e4m3'")
+    code_dtype = np.dtype(np.int8) if name == "int8" else _float8_dtype()
+    return StorageFormat(name, head_dim, _group_size(head_dim), code_dtype, _MAX_CODE[name])
+
+
+def bytes_per_token(
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: npt.DTypeLike = np.float32,
+    key_dtype: str | None = None,
+    value_dtype: str | None = None,
+    num_layers: int = 1,
+) -> int:
+    """Bytes one token's keys and values take across ``num_layers`` layers, scales included.
+
+    >>> bytes_per_token(num_kv_heads=8, head_dim=128)
+    8192
+    >>> bytes_per_token(num_kv_heads=8, head_dim=128, key_dtype="int8", value_dtype="int8")
+    2304
+    """
+    compute = np.dtype(dtype)
+    total = 0
+    for name in (key_dtype, value_dtype):
+        if name is None:
+            total += head_dim * compute.itemsize
+        else:
+            code_size = 1  # both formats store one byte per value
+            total += head_dim * code_size + (head_dim // _group_size(head_dim)) * compute.itemsize
+    return num_layers * num_kv_heads * total
+
+
+@dataclass(frozen=True)
+class QuantizedTokens:
+    """Quantized keys or values of ``num_tokens`` tokens, head-major, in logical order.
+
+    Attributes:
+        codes: ``(num_kv_heads, num_tokens, head_dim)``.
+        scales: ``(num_kv_heads, num_tokens, num_groups)``.
+        storage: how to turn them back into floats.
+    """
+
+    codes: npt.NDArray[Any]
+    scales: npt.NDArray[np.floating]
+    storage: StorageFormat
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(num_kv_heads, num_tokens, head_dim)``."""
+        heads, tokens, dims = self.codes.shape
+        return heads, tokens, dims
+
+    def dequantize(self, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+        """Tokens ``start .. end - 1`` as a new ``(num_kv_heads, end - start, head_dim)`` array."""
+        return self.storage.dequantize(self.codes[:, start:end], self.scales[:, start:end], dtype)
+
+
+#: Keys or values as attention reads them: floats, or codes and scales.
+Tokens = npt.NDArray[np.floating] | QuantizedTokens
+
+
+# ------------------------------------------------------- storage in the pool
+#
+# A pool side (keys or values of one layer) is ``store`` ``(num_kv_heads,
+# num_blocks, block_size, head_dim)`` of floats or codes, and, when quantized,
+# ``scales`` ``(num_kv_heads, num_blocks, block_size, num_groups)``.
+
+
+def run_tokens(
+    store: npt.NDArray[Any],
+    scales: npt.NDArray[np.floating] | None,
+    storage: StorageFormat | None,
+    first_id: int,
+    num_blocks: int,
+    lo: int,
+    hi: int,
+) -> Tokens:
+    """Tokens ``lo .. hi - 1`` of the ``num_blocks`` blocks from ``first_id`` on (views)."""
+    heads, _, block_size, head_dim = store.shape
+    run = store[:, first_id : first_id + num_blocks]
+    codes = run.reshape(heads, num_blocks * block_size, head_dim)[:, lo:hi]
+    if storage is None or scales is None:
+        return codes
+    run_scales = scales[:, first_id : first_id + num_blocks]
+    return QuantizedTokens(codes, run_scales.reshape(heads, num_blocks * block_size, -1)[:, lo:hi], storage)
+
+
+def take_tokens(
+    store: npt.NDArray[Any],
+    scales: npt.NDArray[np.floating] | None,
+    storage: StorageFormat | None,
+    slots: npt.NDArray[np.intp],
+) -> Tokens:
+    """Tokens at ``slots`` (``block_id * block_size + offset``), in order (new arrays)."""
+    heads, num_blocks, block_size, head_dim = store.shape
+    codes = np.take(store.reshape(heads, num_blocks * block_size, head_dim), slots, axis=1)
+    if storage is None or scales is None:
+        return codes
+    flat_scales = scales.reshape(heads, num_blocks * block_size, -1)
+    return QuantizedTokens(codes, np.take(flat_scales, slots, axis=1), storage)
+
+
+def write_tokens(
+    store: npt.NDArray[Any],
+    scales: npt.NDArray[np.floating] | None,
+    storage: StorageFormat | None,
+    slots: npt.NDArray[np.intp],
+    tokens: npt.NDArray[np.floating],
+) -> None:
+    """Store ``tokens`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots, quantizing them."""
+    heads, num_blocks, block_size, head_dim = store.shape
+    flat = store.reshape(heads, num_blocks * block_size, head_dim)
+    if storage is None or scales is None:
+        flat[:, slots] = tokens.transpose(1, 0, 2)
+        return
+    codes, token_scales = storage.quantize(tokens)  # (n, heads, head_dim), (n, heads, num_groups)
+    flat[:, slots] = codes.transpose(1, 0, 2)
+    scales.reshape(heads, num_blocks * block_size, -1)[:, slots] = token_scales.transpose(1, 0, 2)
+
+
+def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+    if isinstance(tokens, QuantizedTokens):
+        return tokens.dequantize(start, end, dtype)
+    return tokens[:, start:end]
+
+
+def _chunks(num_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk, counted from the window's first token::
+
+    CHUNK_TOKENS 4, 10 tokens:  |0 1 2 3|4 5 6 7|8 9|
+    """
+    return [(start, min(num_tokens, start + CHUNK_TOKENS)) for start in range(0, num_tokens, CHUNK_TOKENS)]
+
+
+def _weighted_values(
+    weights: npt.NDArray[np.floating], values: Tokens, dtype: np.dtype[Any]
+) -> npt.NDArray[np.floating]:
+    """``weights (num_kv_heads, rows, num_tokens) @ values``, chunk by chunk, in chunk order."""
+    out: npt.NDArray[np.floating] | None = None
+    for start, end in _chunks(values.shape[1]):
+        part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
+        if out is None:
+            out = part
+        else:
+            out += part
+    assert out is not None
+    return out
+
+
+def _scores(
+    grouped: npt.NDArray[np.floating], keys: Tokens, dtype: np.dtype[Any]
+) -> npt.NDArray[np.floating]:
+    """``grouped (num_kv_heads, rows, head_dim) @ keys^T``, chunk by chunk."""
+    num_kv_heads, num_tokens, _ = keys.shape
+    scores = np.empty((num_kv_heads, grouped.shape[1], num_tokens), dtype)
+    query_t = grouped.transpose(0, 2, 1)
+    for start, end in _chunks(num_tokens):
+        # NOTE: keys @ query^T rather than query @ keys^T: with several rows
+        # (grouped-query heads, prefill) numpy falls back from BLAS for the
+        # transposed right operand; this form stays on BLAS (measured 3x).
+        part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
+        scores[:, :, start:end] = part.transpose(0, 2, 1)
+    return scores
+
+
+def attend_chunked(
+    query: npt.NDArray[np.floating],
+    keys: Tokens,
+    values: Tokens,
+    scale: float,
+    dtype: np.dtype[Any],
+) -> npt.NDArray[np.floating]:
+    """``softmax(scale * K q) . V`` over float or quantized keys/values, chunk by chunk.
+
+    The quantized counterpart of :func:`pagedkv.attention.attend_dense`, same
+    grouped-query rule. Each chunk of ``CHUNK_TOKENS`` tokens is dequantized
+    just before its matmul; nothing holds the whole window as floats.
+
+    Args:
+        query: ``(num_q_heads, head_dim)`` of ``dtype``.
+        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
+        values: the same for values.
+        scale: multiplies every score.
+        dtype: the compute dtype.
+
+    Returns:
+        A new ``(num_q_heads, head_dim)`` array.
+    """
+    num_kv_heads, _, head_dim = keys.shape
+    grouped = query.reshape(num_kv_heads, -1, head_dim)
+    scores = _scores(grouped, keys, dtype)  # (num_kv_heads, group, num_tokens)
+    if scale != 1.0:
+        scores *= scale
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = _weighted_values(scores, values, dtype)  # (num_kv_heads, group, head_dim)
+    result: npt.NDArray[np.floating] = out.reshape(query.shape)
+    return result
+
+
+def attend_chunked_masked(
+    queries: npt.NDArray[np.floating],
+    keys: Tokens,
+    values: Tokens,
+    visible: npt.NDArray[np.bool_],
+    scale: float,
+    dtype: np.dtype[Any],
+) -> npt.NDArray[np.floating]:
+    """Many query tokens, each over the keys its row of ``visible`` allows (chunked prefill).
+
+    The quantized counterpart of :func:`pagedkv.attention.attend_dense_masked`.
+
+    Args:
+        queries: ``(num_queries, num_q_heads, head_dim)``.
+        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
+        values: the same for values.
+        visible: ``(num_queries, num_tokens)``; every row sees at least one key.
+        scale: multiplies every score.
+        dtype: the compute dtype.
+
+    Returns:
+        A new ``(num_queries, num_q_heads, head_dim)`` array.
+    """
+    num_queries, num_q_heads, head_dim = queries.shape
+    num_kv_heads, num_tokens, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
+    scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
+    if scale != 1.0:
+        scores *= scale
+    scores = np.where(visible[None, :, None, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
+    out = _weighted_values(weights, values, dtype)
+    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
+    return result

@@ -1,0 +1,174 @@
+"""``pagedkv simulate``: turn parsed options into a workload and a config, run, print.
+
+The parser itself lives in :mod:`pagedkv.cli`; this module is imported only
+when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from pagedkv.errors import ConfigError
+from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
+from pagedkv.simulate.progress import wants_progress
+from pagedkv.simulate.report import (
+    POLICIES,
+    _no_progress,
+    format_report,
+    format_sweep,
+    simulate,
+    stderr_progress,
+    sweep,
+)
+from pagedkv.simulate.workload import DATASETS, Workload, WorkloadError, load_jsonl, synthetic
+
+__all__ = ["build_config", "build_workload", "parse_list", "run_simulate"]
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The workload the options name: a synthetic dataset or a JSONL file.
+
+    Raises:
+        WorkloadError: an unknown name, a bad file or line, a bad parameter.
+    """
+    name = args.workload
+    if name in DATASETS:
+        return synthetic(
+            name,
+            args.num_requests,
+            seed=args.seed,
+            n=args.n,
+            sampling=args.sampling,
+            num_prefix_groups=args.prefix_groups,
+            prefix_len=args.prefix_len,
+            arrival_rate=args.arrival_rate,
+            max_model_len=args.max_model_len,
+        )
+    if name.endswith(".jsonl") or "/" in name:
+        return load_jsonl(name, seed=args.seed, max_model_len=args.max_model_len)
+    raise WorkloadError(f"unknown workload {name!r}; give {' or '.join(sorted(DATASETS))}, or a .jsonl file")
+
+
+def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
+    """The simulation settings and the modeled model the options describe.
+
+    Raises:
+        BudgetError: a malformed size, or a budget smaller than one block.
+        ConfigError: another setting out of range.
+    """
+    model = ModelShape(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype_bytes)
+    blocks = args.blocks
+    if blocks is None and args.memory is None:
+        blocks = getattr(args, "fallback_blocks", None)
+    if blocks is not None:
+        budget = Budget.from_blocks(blocks, args.block_size)
+    else:
+        budget = Budget.from_bytes(parse_bytes(args.memory or "12GiB"), model)
+    config = SimConfig(
+        budget,
+        block_size=args.block_size,
+        max_size=args.window,
+        enable_prefix_caching=args.prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        sample_every=args.sample_every,
+        check_every_step=args.check_invariants,
+        watermark=args.watermark,
+        seed=args.seed,
+    )
+    return config, model
+
+
+def parse_list(text: str, *, allow_none: bool = False, name: str = "list", minimum: int = 1) -> list[Any]:
+    """Parse ``"1,2,4"`` (or ``"none,256"`` with ``allow_none``) into ints (and None).
+
+    Raises:
+        ConfigError: an entry is not an int >= ``minimum`` (or ``none``).
+
+    >>> parse_list("none,256", allow_none=True)
+    [None, 256]
+    """
+    values: list[Any] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if allow_none and part in ("none", "off"):
+            values.append(None)
+            continue
+        if not part.isdigit() or int(part) < minimum:
+            raise ConfigError(f"{name}: {part!r} is not an int >= {minimum}")
+        values.append(int(part))
+    return values
+
+
+def parse_policies(text: str) -> list[str]:
+    """``"paged,contiguous"`` or ``"all"`` into policy names.
+
+    Raises:
+        ConfigError: an unknown policy.
+    """
+    if text.strip() == "all":
+        return list(POLICIES)
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        if name not in POLICIES:
+            raise ConfigError(f"--policies: unknown policy {name!r}; expected {', '.join(POLICIES)} or all")
+    return names
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (``pagedkv ... | head``): stop quietly, status 0."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush does not fail again
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run ``pagedkv simulate``; return the exit status (2 on bad input)."""
+    try:
+        return _run_simulate(args)
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    try:
+        workload = build_workload(args)
+        config, model = build_config(args)
+        policies = parse_policies(args.policies)
+        block_sizes = parse_list(args.block_sizes, name="--block-sizes") if args.sweep else []
+        windows = parse_list(args.windows, allow_none=True, name="--windows") if args.sweep else []
+        progress = stderr_progress() if wants_progress(args.progress) else _no_progress
+        if args.sweep:
+            baseline = next((p for p in policies if p != "paged"), None)
+            rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
+            if args.json:
+                data = {
+                    "workload": workload.stats(),
+                    "config": {
+                        "budget_tokens": config.budget.num_tokens,
+                        "budget_bytes": config.budget.num_bytes,
+                    },
+                    "sweep": [row.as_dict() for row in rows],
+                    "timing": [row.result.timing() for row in rows],
+                }
+                print(json.dumps(data, indent=2))
+            else:
+                stats = workload.stats()
+                print(
+                    f"sweep: {stats['source']}, seed {stats['seed']}; the same memory, "
+                    f"{config.budget.num_tokens:,} token slots, at every point\n"
+                )
+                print(format_sweep(rows))
+            return 0
+        report = simulate(workload, config, policies, model=model, progress=progress)
+    except (WorkloadError, BudgetError, ConfigError) as error:
+        print(f"pagedkv simulate: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0

@@ -1,0 +1,182 @@
+"""What the simulator is told: the modeled model, the memory budget, the scheduler's knobs.
+
+The simulated engine keeps only bookkeeping: its real ``KVPool`` is tiny
+(one layer, one head, ``head_dim`` 1). The *modeled* model decides how many
+tokens a memory budget in bytes holds::
+
+    bytes per token = num_layers x num_kv_heads x head_dim x 2 (K and V) x dtype_bytes
+    OPT-13B (the default): 40 x 40 x 128 x 2 x 2 = 819,200 bytes (the paper's "800 KB")
+
+>>> ModelShape().bytes_per_token
+819200
+>>> budget = Budget.from_bytes(parse_bytes("12GiB"), ModelShape())
+>>> budget.num_tokens, budget.num_blocks(16)
+(15728, 983)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pagedkv.errors import ConfigError
+
+__all__ = ["Budget", "BudgetError", "ModelShape", "SimConfig", "parse_bytes"]
+
+
+class BudgetError(ConfigError):
+    """A memory budget that cannot hold what the workload needs (or is not a size at all)."""
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``"12GiB"``, ``"800MB"``, ``"1.5 GiB"`` or ``"4096"`` into bytes.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000; binary ones (KiB,
+    MiB, GiB, TiB) powers of 1024; a bare number is bytes.
+
+    Raises:
+        BudgetError: not a size.
+
+    >>> parse_bytes("1KiB"), parse_bytes("1.5kB")
+    (1024, 1500)
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise BudgetError(f"not a memory size: {text!r}; write e.g. 12GiB, 800MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The modeled model's KV geometry (not the tiny pool the simulator really uses).
+
+    Attributes:
+        num_layers: transformer layers.
+        num_kv_heads: key/value heads per layer.
+        head_dim: values per head.
+        dtype_bytes: bytes per stored value (2 for fp16/bf16, 1 for fp8).
+    """
+
+    num_layers: int = 40
+    num_kv_heads: int = 40
+    head_dim: int = 128
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes across every layer."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """KV memory as a number of token slots (the same for every policy and block size).
+
+    Attributes:
+        num_tokens: token slots the memory holds.
+        num_bytes: the bytes it came from, when given in bytes.
+    """
+
+    num_tokens: int
+    num_bytes: int | None = None
+
+    @classmethod
+    def from_bytes(cls, num_bytes: int, model: ModelShape) -> Budget:
+        """The token slots ``num_bytes`` of memory hold for ``model``."""
+        return cls(num_bytes // model.bytes_per_token, num_bytes)
+
+    @classmethod
+    def from_blocks(cls, num_blocks: int, block_size: int) -> Budget:
+        """The token slots of ``num_blocks`` blocks of ``block_size``."""
+        return cls(num_blocks * block_size)
+
+    def num_blocks(self, block_size: int) -> int:
+        """Whole blocks of ``block_size`` that fit (what the paged policy gets)."""
+        return self.num_tokens // block_size
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """How one simulation runs.
+
+    Attributes:
+        budget: the KV memory, in token slots.
+        block_size: token slots per block (paged policy).
+        max_size: a sliding window per sequence, or None.
+        enable_prefix_caching: share cached full blocks of prompts (paged).
+        max_num_seqs: at most this many sequences run at once (vLLM's
+            ``max_num_seqs``), or None for no limit but memory.
+        sample_every: take the manager's full metrics every this many steps
+            (occupancy and fragmentation are averaged over these samples;
+            cheap counts are taken every step).
+        check_every_step: call ``check_invariants()`` and the simulator's own
+            consistency checks after every step (slow; for tests).
+        watermark: admit a request only if this share of the blocks stays
+            free after its prefill (vLLM v0's ``watermark``, 0.01 there too),
+            so running sequences have room to grow before anyone is preempted.
+        beam_replace_prob: beam-like sampling: per decode step, the chance that
+            each beam but the first is pruned and replaced by a fork of another.
+        seed: seeds the engine's own draws (generated token ids, beam events).
+    """
+
+    budget: Budget
+    block_size: int = 16
+    max_size: int | None = None
+    enable_prefix_caching: bool = False
+    max_num_seqs: int | None = None
+    sample_every: int = 10
+    check_every_step: bool = False
+    watermark: float = 0.01
+    beam_replace_prob: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("block_size", 1), ("sample_every", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+        for name in ("max_size", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not 0.0 <= self.beam_replace_prob <= 1.0:
+            raise ConfigError(f"beam_replace_prob must be in [0, 1], got {self.beam_replace_prob!r}")
+        if self.budget.num_tokens < self.block_size:
+            held = f"{self.budget.num_bytes} bytes hold" if self.budget.num_bytes is not None else "it holds"
+            raise BudgetError(
+                f"the memory budget is smaller than one block: {held} {self.budget.num_tokens} "
+                f"token slots, one block is {self.block_size}; give more memory or a smaller block size"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the paged policy's pool."""
+        return self.budget.num_blocks(self.block_size)
+
+    @property
+    def num_watermark_blocks(self) -> int:
+        """Blocks admission keeps free: ``int(watermark * num_blocks)``."""
+        return int(self.watermark * self.num_blocks)

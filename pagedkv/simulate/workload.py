@@ -1,0 +1,430 @@
+"""Request streams for the serving simulator: synthetic, shared-prefix, forked, or from JSONL.
+
+A :class:`Request` is what a user sends: a prompt, how many tokens the model
+will generate for it, and how many samples it wants. A :class:`Workload` is a
+list of requests plus the seed that makes its token ids reproducible.
+
+Synthetic lengths (``"sharegpt"`` and ``"alpaca"``) are lognormal, rounded and
+clipped to ``[1, max_len]``; the lognormal's ``mu`` is solved so that the
+*clipped* mean equals the target mean (the PagedAttention paper's ShareGPT and
+Alpaca averages)::
+
+    dataset    prompt mean  sigma   output mean  sigma   clip
+    sharegpt   161          1.0     338          1.0     [1, 1024] each
+    alpaca     19.31        0.6     58.45        0.7     [1, 1024] each
+
+so prompt + output never exceeds the default ``max_model_len`` of 2048.
+
+JSONL schema, one request per line (blank lines and lines starting with ``#``
+are skipped)::
+
+    {"prompt_len": 120,        # int >= 1; required unless "prompt" is given
+     "output_len": 300,        # int >= 1; required: tokens the model generates
+     "prompt": [1, 2, 3],      # optional token ids (non-negative ints); sets prompt_len
+     "n": 1,                   # optional samples (forks) per request, default 1
+     "sampling": "parallel",   # optional "parallel" or "beam", default "parallel"
+     "prefix_group": "sys-a",  # optional: requests of a group share a system prompt
+     "prefix_len": 64,         # optional: its length (default: the group's shortest prompt)
+     "max_output_len": 512,    # optional: what a contiguous system reserves (>= output_len)
+     "arrival_step": 0}        # optional: the step the request arrives, default 0
+
+>>> workload = synthetic("alpaca", 3, seed=1)
+>>> [(r.prompt_len, r.output_len) for r in workload.requests]
+[(20, 18), (26, 86), (20, 63)]
+>>> len(workload.prompt_tokens(workload.requests[0]))
+20
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedkv.errors import PagedKVError
+
+__all__ = [
+    "DATASETS",
+    "Request",
+    "Workload",
+    "WorkloadError",
+    "load_jsonl",
+    "parse_jsonl",
+    "synthetic",
+]
+
+#: Token ids are drawn from ``range(VOCAB_SIZE)`` (LLaMA's vocabulary size).
+VOCAB_SIZE = 32000
+
+#: ``name: ((prompt mean, sigma), (output mean, sigma))`` of the synthetic length distributions.
+DATASETS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "sharegpt": ((161.0, 1.0), (338.0, 1.0)),
+    "alpaca": ((19.31, 0.6), (58.45, 0.7)),
+}
+
+SAMPLING_KINDS = ("parallel", "beam")
+
+
+class WorkloadError(PagedKVError, ValueError):
+    """A workload is malformed: a bad JSONL line, field or synthetic parameter."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: a prompt, the tokens generated for it, and its samples.
+
+    Attributes:
+        request_id: position in the workload, from 0.
+        prompt_len: prompt tokens (the shared prefix included).
+        output_len: tokens generated per sample; the request's sequences end
+            at ``prompt_len + output_len`` tokens.
+        n: samples: ``n`` sequences fork from the prompt after prefill.
+        sampling: ``"parallel"`` (independent samples) or ``"beam"`` (beams
+            are pruned and re-forked from surviving beams as they decode).
+        prefix_group: requests of one group start with the same
+            ``prefix_len`` tokens (a system prompt).
+        prefix_len: tokens of the prompt shared with the group.
+        max_output_len: the output a contiguous system must reserve room for.
+        arrival_step: the simulated step the request arrives at.
+        prompt: explicit prompt token ids, or None to draw them from the seed.
+    """
+
+    request_id: int
+    prompt_len: int
+    output_len: int
+    n: int = 1
+    sampling: str = "parallel"
+    prefix_group: str | None = None
+    prefix_len: int = 0
+    max_output_len: int | None = None
+    arrival_step: int = 0
+    prompt: tuple[int, ...] | None = field(default=None, repr=False)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once (its samples or beams)."""
+        return self.n
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests in arrival order, and the seed their token ids derive from.
+
+    Attributes:
+        requests: the requests, sorted by ``arrival_step`` (stable).
+        seed: seeds every drawn token id.
+        source: a short description (``"sharegpt x 1000"``, a file name).
+        max_model_len: the longest sequence the modeled model accepts; a
+            contiguous system reserves up to it by default.
+    """
+
+    requests: tuple[Request, ...]
+    seed: int = 0
+    source: str = "custom"
+    max_model_len: int = 2048
+
+    def max_output_len(self, request: Request) -> int:
+        """What a contiguous system reserves for ``request``'s output."""
+        if request.max_output_len is not None:
+            return request.max_output_len
+        return max(request.output_len, self.max_model_len - request.prompt_len)
+
+    def prompt_tokens(self, request: Request) -> list[int]:
+        """``request``'s prompt token ids: explicit, or drawn from the seed.
+
+        The first ``prefix_len`` ids are the prefix group's (the same for
+        every request of the group); the rest are the request's own.
+        """
+        if request.prompt is not None:
+            return list(request.prompt)
+        rng = np.random.default_rng([self.seed, 1, request.request_id])
+        own: list[int] = rng.integers(0, VOCAB_SIZE, request.prompt_len - request.prefix_len).tolist()
+        if not request.prefix_len or request.prefix_group is None:
+            return own
+        group = zlib.crc32(request.prefix_group.encode("utf-8"))
+        shared: list[int] = (
+            np.random.default_rng([self.seed, 2, group]).integers(0, VOCAB_SIZE, request.prefix_len).tolist()
+        )
+        return shared + own
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Counts and mean lengths, for reports."""
+        requests = self.requests
+        num = len(requests)
+        return {
+            "source": self.source,
+            "seed": self.seed,
+            "num_requests": num,
+            "num_sequences": sum(r.n for r in requests),
+            "mean_prompt_len": round(sum(r.prompt_len for r in requests) / num, 2) if num else 0.0,
+            "mean_output_len": round(sum(r.output_len for r in requests) / num, 2) if num else 0.0,
+            "max_seq_len": max((r.prompt_len + r.output_len for r in requests), default=0),
+            "max_model_len": self.max_model_len,
+        }
+
+
+def _lognormal_mu(mean: float, sigma: float, cap: float) -> float:
+    """The ``mu`` whose lognormal, clipped at ``cap``, has mean ``mean`` (bisection)."""
+
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    def clipped_mean(mu: float) -> float:
+        log_cap = math.log(cap)
+        body = math.exp(mu + sigma**2 / 2) * phi((log_cap - mu - sigma**2) / sigma)
+        return body + cap * (1 - phi((log_cap - mu) / sigma))
+
+    lo, hi = -10.0, math.log(cap) + 10
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if clipped_mean(mid) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _lengths(rng: np.random.Generator, mean: float, sigma: float, cap: int, num: int) -> list[int]:
+    if mean >= cap:
+        raise WorkloadError(f"a mean length of {mean} does not fit under the clip of {cap} tokens")
+    mu = _lognormal_mu(mean, sigma, cap)
+    draws = np.rint(rng.lognormal(mu, sigma, num))
+    return np.clip(draws, 1, cap).astype(np.int64).tolist()  # type: ignore[no-any-return]
+
+
+def synthetic(
+    dataset: str,
+    num_requests: int,
+    *,
+    seed: int = 0,
+    n: int = 1,
+    sampling: str = "parallel",
+    num_prefix_groups: int = 0,
+    prefix_len: int = 0,
+    arrival_rate: float | None = None,
+    max_model_len: int = 2048,
+) -> Workload:
+    """A synthetic request stream with ShareGPT- or Alpaca-like lengths.
+
+    Args:
+        dataset: ``"sharegpt"`` or ``"alpaca"`` (see the module docstring).
+        num_requests: how many requests.
+        seed: seeds lengths, groups, arrivals and token ids.
+        n: samples per request (forks after prefill).
+        sampling: ``"parallel"`` or ``"beam"``.
+        num_prefix_groups: when > 0, each request joins one of this many
+            groups at random, and its prompt starts with the group's
+            ``prefix_len``-token system prompt (added to the drawn length).
+        prefix_len: the shared system prompt's length.
+        arrival_rate: requests per step (a Poisson process); None means
+            every request arrives at step 0 (an offline batch).
+        max_model_len: the modeled model's longest sequence; each drawn
+            length is clipped to half of it.
+
+    Raises:
+        WorkloadError: an unknown dataset or a parameter out of range.
+    """
+    if dataset not in DATASETS:
+        raise WorkloadError(
+            f"unknown workload {dataset!r}; expected one of {sorted(DATASETS)} or a .jsonl file"
+        )
+    _check_int("num_requests", num_requests, 1)
+    _check_int("n", n, 1)
+    _check_int("prefix_len", prefix_len, 0)
+    _check_int("num_prefix_groups", num_prefix_groups, 0)
+    _check_int("max_model_len", max_model_len, 4)
+    if sampling not in SAMPLING_KINDS:
+        raise WorkloadError(f"sampling must be one of {SAMPLING_KINDS}, got {sampling!r}")
+    if arrival_rate is not None and not arrival_rate > 0:
+        raise WorkloadError(f"arrival_rate must be > 0 requests per step, got {arrival_rate!r}")
+    if prefix_len and not num_prefix_groups:
+        num_prefix_groups = 1
+    if prefix_len >= max_model_len // 2:
+        raise WorkloadError(f"prefix_len {prefix_len} leaves no room under max_model_len {max_model_len}")
+    (prompt_mean, prompt_sigma), (output_mean, output_sigma) = DATASETS[dataset]
+    rng = np.random.default_rng([seed, 0])
+    cap = max_model_len // 2
+    prompt_lens = _lengths(rng, prompt_mean, prompt_sigma, cap - prefix_len, num_requests)
+    output_lens = _lengths(rng, output_mean, output_sigma, cap, num_requests)
+    groups = rng.integers(0, max(1, num_prefix_groups), num_requests).tolist()
+    arrivals = [0] * num_requests
+    if arrival_rate is not None:
+        arrivals = np.floor(np.cumsum(rng.exponential(1 / arrival_rate, num_requests))).astype(int).tolist()
+    requests = tuple(
+        Request(
+            request_id=i,
+            prompt_len=prompt_lens[i] + prefix_len,
+            output_len=output_lens[i],
+            n=n,
+            sampling=sampling,
+            prefix_group=f"group-{groups[i]}" if num_prefix_groups else None,
+            prefix_len=prefix_len if num_prefix_groups else 0,
+            arrival_step=arrivals[i],
+        )
+        for i in range(num_requests)
+    )
+    source = f"{dataset} x {num_requests}"
+    if n > 1:
+        source += f", n={n} {sampling}"
+    if num_prefix_groups:
+        source += f", {num_prefix_groups} prefix group(s) of {prefix_len} tokens"
+    return Workload(requests, seed=seed, source=source, max_model_len=max_model_len)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WorkloadError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+_FIELDS = (
+    "prompt_len",
+    "output_len",
+    "prompt",
+    "n",
+    "sampling",
+    "prefix_group",
+    "prefix_len",
+    "max_output_len",
+    "arrival_step",
+)
+
+
+def _int_field(
+    record: dict[str, Any], name: str, where: str, minimum: int, default: int | None
+) -> int | None:
+    if name not in record:
+        if default is None:
+            return None
+        return default
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WorkloadError(f"{where}: field {name!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_jsonl(
+    lines: Iterable[str], *, source: str = "<jsonl>", seed: int = 0, max_model_len: int = 2048
+) -> Workload:
+    """Parse JSONL request lines (schema in the module docstring) into a workload.
+
+    Args:
+        lines: the file's lines.
+        source: the name quoted in error messages.
+        seed: seeds the token ids of requests without an explicit ``prompt``.
+        max_model_len: the modeled model's longest sequence.
+
+    Raises:
+        WorkloadError: naming the line number and the field of the first bad line.
+
+    >>> parse_jsonl(['{"prompt_len": 4, "output_len": 2}']).requests[0].prompt_len
+    4
+    >>> parse_jsonl(['{"prompt_len": 4}'], source="reqs.jsonl")
+    Traceback (most recent call last):
+        ...
+    pagedkv.simulate.workload.WorkloadError: reqs.jsonl line 1: field 'output_len' is required
+    """
+    records: list[tuple[str, dict[str, Any]]] = []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        where = f"{source} line {number}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise WorkloadError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(record, dict):
+            raise WorkloadError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        unknown = sorted(set(record) - set(_FIELDS))
+        if unknown:
+            raise WorkloadError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(_FIELDS)}")
+        records.append((where, record))
+    if not records:
+        raise WorkloadError(f"{source}: no requests (every line is blank or a comment)")
+    partial = []
+    group_min: dict[str, int] = {}
+    for where, record in records:
+        prompt = record.get("prompt")
+        if prompt is not None and (
+            not isinstance(prompt, list)
+            or not prompt
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt)
+        ):
+            raise WorkloadError(f"{where}: field 'prompt' must be a non-empty list of non-negative ints")
+        prompt_len = _int_field(record, "prompt_len", where, 1, None)
+        if prompt_len is None:
+            if prompt is None:
+                raise WorkloadError(f"{where}: field 'prompt_len' is required (or give 'prompt')")
+            prompt_len = len(prompt)
+        elif prompt is not None and len(prompt) != prompt_len:
+            raise WorkloadError(
+                f"{where}: field 'prompt_len' is {prompt_len} but 'prompt' has {len(prompt)} token ids"
+            )
+        if "output_len" not in record:
+            raise WorkloadError(f"{where}: field 'output_len' is required")
+        output_len = _int_field(record, "output_len", where, 1, 1)
+        assert output_len is not None
+        sampling = record.get("sampling", "parallel")
+        if sampling not in SAMPLING_KINDS:
+            raise WorkloadError(
+                f"{where}: field 'sampling' must be one of {SAMPLING_KINDS}, got {sampling!r}"
+            )
+        group = record.get("prefix_group")
+        if group is not None:
+            if isinstance(group, bool) or not isinstance(group, (str, int)):
+                raise WorkloadError(
+                    f"{where}: field 'prefix_group' must be a string or an int, got {group!r}"
+                )
+            group = str(group)
+            group_min[group] = min(group_min.get(group, prompt_len), prompt_len)
+        elif "prefix_len" in record:
+            raise WorkloadError(f"{where}: field 'prefix_len' needs a 'prefix_group'")
+        prefix_len = _int_field(record, "prefix_len", where, 0, None)
+        if prefix_len is not None and prefix_len > prompt_len:
+            raise WorkloadError(
+                f"{where}: field 'prefix_len' is {prefix_len}, longer than the prompt ({prompt_len})"
+            )
+        max_output_len = _int_field(record, "max_output_len", where, 1, None)
+        if max_output_len is not None and max_output_len < output_len:
+            raise WorkloadError(
+                f"{where}: field 'max_output_len' is {max_output_len}, less than 'output_len' ({output_len})"
+            )
+        partial.append(
+            {
+                "prompt_len": prompt_len,
+                "output_len": output_len,
+                "n": _int_field(record, "n", where, 1, 1),
+                "sampling": sampling,
+                "prefix_group": group,
+                "prefix_len": prefix_len,
+                "max_output_len": max_output_len,
+                "arrival_step": _int_field(record, "arrival_step", where, 0, 0),
+                "prompt": tuple(prompt) if prompt is not None else None,
+            }
+        )
+    for fields in partial:
+        group = fields["prefix_group"]
+        if group is not None and fields["prefix_len"] is None:
+            fields["prefix_len"] = group_min[group]
+        elif fields["prefix_len"] is None:
+            fields["prefix_len"] = 0
+    order = sorted(range(len(partial)), key=lambda i: partial[i]["arrival_step"])
+    requests = tuple(Request(request_id=rank, **partial[i]) for rank, i in enumerate(order))
+    return Workload(requests, seed=seed, source=source, max_model_len=max_model_len)
+
+
+def load_jsonl(path: str | Path, *, seed: int = 0, max_model_len: int = 2048) -> Workload:
+    """Read a JSONL request file (schema in the module docstring).
+
+    Raises:
+        WorkloadError: the file is missing or a line is malformed (line number and field named).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise WorkloadError(f"cannot read workload file {str(path)!r}: {error.strerror}") from None
+    return parse_jsonl(text.splitlines(), source=path.name, seed=seed, max_model_len=max_model_len)

@@ -1,0 +1,652 @@
+"""A Hypothesis state machine over ``KVCacheManager`` against a deliberately dumb model.
+
+The configuration is drawn once per example and kept tiny (2–16 blocks of 1–4
+slots, 1–2 layers, a window of 1–8 or none, 0–2 sinks, GQA sometimes, a small
+host pool or none), so the pool runs out in most examples. Live sequence ids
+sit in a Bundle. The model keeps, per sequence, its state, token count,
+window start, written counts, per-layer (k, v) history, and which *model
+block* holds each logical block (model blocks are plain counters, shared by
+forks), and predicts from that alone:
+
+* whether a reservation fits, how many blocks it takes, copies and releases
+  (compared with ``plan()``), and that ``reserve`` then raises exactly when
+  it does not fit;
+* the free block count, the host pool's, and the sharing pattern: model
+  blocks and real block ids must correspond one to one;
+* live slots and tokens of ``metrics()``;
+* every attend output, per sequence and per layer, from the pure-Python
+  oracle over that sequence's own history (window and sinks applied), and
+  bit for bit from ``reference.attend_window`` for single-token decodes.
+
+Misuse rules check the error type and that nothing changed. After every
+step ``check_invariants()`` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from pagedkv import (
+    Batch,
+    ConfigError,
+    DuplicateSequenceError,
+    KVCacheManager,
+    KVPool,
+    LayerIndexError,
+    PoolExhaustedError,
+    SequenceState,
+    SequenceStateError,
+    ShapeError,
+    UnknownSequenceError,
+)
+from pagedkv.reference import attend_window
+from pagedkv.testing.oracle import FLOAT32_EPS, FLOAT64_EPS, attend, within_tolerance
+
+RUNNING, PREEMPTED, SWAPPED = "running", "preempted", "swapped"
+STATES = {SequenceState.RUNNING: RUNNING, SequenceState.PREEMPTED: PREEMPTED, SequenceState.SWAPPED: SWAPPED}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Seq:
+    """The model of one sequence."""
+
+    num_layers: int
+    num_sinks: int
+    state: str = RUNNING
+    num_tokens: int = 0
+    window_start: int = 0
+    written: list[int] = field(default_factory=list)
+    hist: list[list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=list)
+    blocks: dict[int, int] = field(default_factory=dict)  # logical block -> model block
+    num_host_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_tokens = 0
+        self.window_start = self.num_sinks
+        self.written = [0] * self.num_layers
+        self.hist = [[] for _ in range(self.num_layers)]
+        self.blocks = {}
+
+    @property
+    def settled(self) -> bool:
+        return self.state == RUNNING and all(n == self.num_tokens for n in self.written)
+
+    def copy(self) -> Seq:
+        twin = Seq(self.num_layers, self.num_sinks)
+        twin.num_tokens, twin.window_start = self.num_tokens, self.window_start
+        twin.written = list(self.written)
+        twin.hist = [list(h) for h in self.hist]
+        twin.blocks = dict(self.blocks)
+        return twin
+
+
+@dataclass
+class Pending:
+    """A batch reserved and written in layer 0 only."""
+
+    batch: Batch
+    kvq: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    stale: bool = False
+
+
+def snapshot(m: KVCacheManager) -> Any:
+    def pool_state(pool: KVPool | None) -> Any:
+        if pool is None:
+            return None
+        allocator = pool.allocator
+        return (
+            allocator.free_block_ids(),
+            [allocator.ref_count(i) for i in range(allocator.num_blocks)],
+            [pool.keys(layer).tobytes() + pool.values(layer).tobytes() for layer in range(pool.num_layers)],
+        )
+
+    tables = {
+        s: (m.state(s), m.block_table(s).block_ids, m.num_tokens(s), m.block_table(s).window_start)
+        for s in m.seq_ids
+    }
+    return pool_state(m.pool), pool_state(m.host_pool), tables, m.metrics()
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: KVCacheManager | None = None
+        self.model: dict[Hashable, Seq] = {}
+        self.freed: list[Hashable] = []
+        self.pending: Pending | None = None
+        self.last_batch: Batch | None = None
+        self.ids = itertools.count()
+        self.block_names = itertools.count()
+
+    # ------------------------------------------------------------ set-up
+
+    @initialize(
+        target=seqs,
+        num_blocks=st.integers(2, 16),
+        block_size=st.integers(1, 4),
+        num_layers=st.integers(1, 2),
+        window=st.none() | st.integers(1, 8),
+        per_layer=st.booleans(),
+        layer_windows=st.lists(st.none() | st.integers(1, 8), min_size=2, max_size=2),
+        sinks=st.integers(0, 2),
+        num_kv_heads=st.integers(1, 2),
+        group=st.sampled_from([1, 1, 2]),
+        head_dim=st.integers(1, 2),
+        dtype=st.sampled_from([np.float64, np.float32]),
+        host_blocks=st.sampled_from([0, 2, 4, 8, 16]),
+        scale=st.sampled_from([1.0, 0.5]),
+    )
+    def configure(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        window: int | None,
+        per_layer: bool,
+        layer_windows: list[int | None],
+        sinks: int,
+        num_kv_heads: int,
+        group: int,
+        head_dim: int,
+        dtype: Any,
+        host_blocks: int,
+        scale: float,
+    ) -> Any:
+        shape = dict(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            dtype=dtype,
+        )
+        windows: dict[str, Any] = {"max_size": window}
+        if per_layer and num_layers == 2:
+            windows = {"layer_max_sizes": tuple(layer_windows)}
+            self.windows = list(layer_windows)
+        else:
+            self.windows = [window] * num_layers
+        self.m = KVCacheManager(
+            KVPool(num_blocks, **shape),  # type: ignore[arg-type]
+            host_pool=KVPool(host_blocks, **shape) if host_blocks else None,  # type: ignore[arg-type]
+            num_sink_tokens=sinks,
+            num_q_heads=num_kv_heads * group,
+            scale=scale,
+            **windows,
+        )
+        self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
+        self.num_host_blocks, self.num_sinks, self.scale = host_blocks, sinks, scale
+        self.num_sink_blocks = ceil_div(sinks, block_size)
+        # the window that frees blocks: the largest, unbounded if any layer is
+        self.free_window = None if any(w is None for w in self.windows) else max(self.windows)  # type: ignore[type-var]
+        self.kv_shape = (num_kv_heads, head_dim)
+        self.q_shape = (num_kv_heads * group, head_dim)
+        self.dtype = np.dtype(dtype)
+        self.eps = FLOAT32_EPS if self.dtype == np.float32 else FLOAT64_EPS
+        note(
+            f"config: blocks={num_blocks} bs={block_size} layers={num_layers} windows={self.windows} "
+            f"sinks={sinks} heads={num_kv_heads}x{group} d={head_dim} {self.dtype} host={host_blocks}"
+        )
+        return multiple(self.add_sequence(), self.add_sequence())
+
+    @property
+    def mgr(self) -> KVCacheManager:
+        assert self.m is not None
+        return self.m
+
+    # ------------------------------------------------------------ the model
+
+    def held_model_blocks(self) -> Counter[int]:
+        return Counter(b for s in self.model.values() if s.state == RUNNING for b in s.blocks.values())
+
+    def num_free(self) -> int:
+        return self.num_blocks - len(self.held_model_blocks())
+
+    def num_host_free(self) -> int:
+        return self.num_host_blocks - sum(
+            s.num_host_blocks for s in self.model.values() if s.state == SWAPPED
+        )
+
+    def predict(self, request: dict[Hashable, int]) -> tuple[dict[str, Any], dict[Hashable, Seq]]:
+        """Run a reservation on copies of the model: evict all, copy shared partial blocks, take new ones."""
+        bs = self.block_size
+        after = {s: m.copy() for s, m in self.model.items() if m.state == RUNNING}
+        before = self.held_model_blocks()
+        for s in request:
+            seq = after[s]
+            if self.free_window is not None:
+                # the window start only moves forward, and never past the newest token
+                start = min(seq.num_tokens + 1 - self.free_window, seq.num_tokens)
+                seq.window_start = max(seq.window_start, start)
+            seq.blocks = {
+                j: b
+                for j, b in seq.blocks.items()
+                if j < self.num_sink_blocks or (j + 1) * bs > seq.window_start
+            }
+        refs = Counter(b for seq in after.values() for b in seq.blocks.values())
+        released = len(set(before) - set(refs))
+        num_copies = num_new = 0
+        for s, n in request.items():
+            seq = after[s]
+            last = (seq.num_tokens - 1) // bs
+            if seq.num_tokens % bs and refs[seq.blocks[last]] > 1:
+                refs[seq.blocks[last]] -= 1
+                seq.blocks[last] = next(self.block_names)
+                num_copies += 1
+            for j in range(ceil_div(seq.num_tokens, bs), ceil_div(seq.num_tokens + n, bs)):
+                seq.blocks[j] = next(self.block_names)
+                num_new += 1
+            seq.num_tokens += n
+        free = self.num_free()
+        prediction = {
+            "fits": num_new + num_copies <= free + released,
+            "num_new_blocks": num_new + num_copies,
+            "num_copy_on_write": num_copies,
+            "num_released_blocks": released,
+            "num_free_blocks": free,
+        }
+        return prediction, after
+
+    def arrays(self, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        return [
+            (
+                rng.standard_normal((n, *self.kv_shape)).astype(self.dtype),
+                rng.standard_normal((n, *self.kv_shape)).astype(self.dtype),
+                rng.standard_normal((n, *self.q_shape)).astype(self.dtype),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    def write_and_check(
+        self, layer: int, batch: Batch, kvq: tuple[np.ndarray, np.ndarray, np.ndarray], method: str
+    ) -> None:
+        k, v, q = kvq
+        self.mgr.write(layer, batch, k, v)
+        starts = batch.query_start
+        for s, lo, hi in zip(batch.seq_ids, starts[:-1], starts[1:]):
+            self.model[s].hist[layer].extend(zip(k[lo:hi], v[lo:hi]))
+            self.model[s].written[layer] += int(hi - lo)
+        self.attend_and_check(layer, batch, q, method)
+
+    def attend_and_check(self, layer: int, batch: Batch, q: np.ndarray, method: str) -> None:
+        out = self.mgr.attend(layer, batch, q, method=method)
+        window = self.windows[layer]
+        starts = batch.query_start
+        for s, lo, hi in zip(batch.seq_ids, starts[:-1], starts[1:]):
+            hist = self.model[s].hist[layer]
+            first = len(hist) - int(hi - lo)
+            for t in range(int(lo), int(hi)):
+                p = first + t - int(lo)
+                start = self.num_sinks if window is None else max(self.num_sinks, p - window + 1)
+                seen = list(range(min(self.num_sinks, p + 1))) + list(range(start, p + 1))
+                keys, values = [hist[j][0] for j in seen], [hist[j][1] for j in seen]
+                expected, peak = attend(
+                    q[t].tolist(), [x.tolist() for x in keys], [x.tolist() for x in values], self.scale
+                )
+                assert within_tolerance(out[t].tolist(), expected, peak, self.eps), (
+                    f"oracle mismatch: seq {s!r} layer {layer} position {p} ({method}): "
+                    f"{out[t]} vs {expected}"
+                )
+                if hi - lo == 1 and method == "loop":
+                    exact = attend_window(q[t], keys, values, scale=self.scale, dtype=self.dtype)
+                    assert np.array_equal(exact, out[t]), (
+                        f"decode not bit-exact: seq {s!r} layer {layer} p {p}"
+                    )
+
+    def refused(self, error: type[Exception], action: Any, fragment: str | None = None) -> None:
+        before = snapshot(self.mgr)
+        with pytest.raises(error, match=fragment):
+            action()
+        assert snapshot(self.mgr) == before, "a refused call changed the manager"
+
+    def invalidate(self, seq_id: Hashable) -> None:
+        if self.pending is not None and seq_id in self.pending.batch.seq_ids:
+            self.pending.stale = True
+
+    # ------------------------------------------------------------ rules: use
+
+    @rule(target=seqs)
+    def add_sequence(self) -> str:
+        seq_id = f"s{next(self.ids)}"
+        self.mgr.add_sequence(seq_id)
+        self.model[seq_id] = Seq(self.num_layers, self.num_sinks)
+        return seq_id
+
+    @precondition(lambda self: bool(self.model))
+    @rule(
+        seq_ids=st.lists(seqs, min_size=1, max_size=3, unique=True),
+        sizes=st.lists(st.integers(1, 6), min_size=3, max_size=3),
+        seed=st.integers(0, 2**16),
+        method=st.sampled_from(["loop", "loop", "padded"]),
+        partial=st.booleans(),
+    )
+    def reserve_write_attend(
+        self, seq_ids: list[str], sizes: list[int], seed: int, method: str, partial: bool
+    ) -> None:
+        request = dict(zip(seq_ids, sizes))
+        note(f"reserve {request} ({method}{', layer 0 only' if partial else ''})")
+        if not all(self.model[s].settled for s in seq_ids):
+            self.refused(SequenceStateError, lambda: self.mgr.reserve(request))
+            self.refused(SequenceStateError, lambda: self.mgr.plan(request))
+            return
+        prediction, after = self.predict(request)
+        plan = self.mgr.plan(request)
+        assert plan.fits == self.mgr.can_reserve(request)
+        assert {name: getattr(plan, name) for name in prediction} == prediction, (plan, prediction)
+        if not prediction["fits"]:
+            event("reserve: pool exhausted")
+            self.refused(PoolExhaustedError, lambda: self.mgr.reserve(request), "need")
+            return
+        event(f"reserve: {len(request)} sequences")
+        if prediction["num_copy_on_write"]:
+            event("reserve: copy-on-write")
+        if prediction["num_released_blocks"]:
+            event("reserve: window released blocks")
+        batch = self.mgr.reserve(request)
+        for s in request:
+            model = self.model[s]
+            model.num_tokens, model.window_start = after[s].num_tokens, after[s].window_start
+        for s, seq in after.items():
+            self.model[s].blocks = seq.blocks
+        assert (
+            self.mgr.pool.num_free_blocks
+            == prediction["num_free_blocks"]
+            + prediction["num_released_blocks"]
+            - prediction["num_new_blocks"]
+        )
+        kvq = self.arrays(batch.num_tokens, seed)
+        stop_early = partial and self.num_layers == 2 and self.pending is None
+        for layer in range(1 if stop_early else self.num_layers):
+            self.write_and_check(layer, batch, kvq[layer], method)
+        if stop_early:
+            self.pending = Pending(batch, kvq)
+            event("reserve: layer 0 only (pending)")
+        self.last_batch = batch
+
+    @rule(seed=st.integers(0, 2**16), method=st.sampled_from(["loop", "padded"]), skip=st.integers(0, 3))
+    def decode_step(self, seed: int, method: str, skip: int) -> None:
+        """One new token for the settled running sequences (minus one, sometimes) in one batch."""
+        ready = sorted(s for s, model in self.model.items() if model.settled)
+        if skip and ready:
+            del ready[skip % len(ready)]
+        if ready:
+            self.reserve_write_attend(ready, [1] * len(ready), seed, method, partial=False)
+
+    @precondition(lambda self: self.pending is not None)
+    @rule(method=st.sampled_from(["loop", "padded"]))
+    def finish_pending(self, method: str) -> None:
+        pending = self.pending
+        assert pending is not None
+        self.pending = None
+        k, v, _ = pending.kvq[1]
+        if pending.stale:
+            event("pending batch went stale")
+            note("finish a stale pending batch: refused")
+            self.refused(
+                SequenceStateError, lambda: self.mgr.write(1, pending.batch, k, v), "no longer reserved"
+            )
+            return
+        self.write_and_check(1, pending.batch, pending.kvq[1], method)
+        self.attend_and_check(0, pending.batch, pending.kvq[0][2], method)  # attending again is a query
+
+    @precondition(lambda self: bool(self.model))
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent: str) -> Any:
+        child = f"s{next(self.ids)}"
+        if not self.model[parent].settled:
+            self.refused(SequenceStateError, lambda: self.mgr.fork(parent, child))
+            return multiple()
+        free = self.mgr.pool.num_free_blocks
+        self.mgr.fork(parent, child)
+        assert self.mgr.pool.num_free_blocks == free
+        self.model[child] = self.model[parent].copy()
+        event("fork")
+        return child
+
+    @precondition(lambda self: bool(self.model))
+    @rule(seq_id=consumes(seqs))
+    def free(self, seq_id: str) -> None:
+        self.mgr.free(seq_id)
+        self.invalidate(seq_id)
+        del self.model[seq_id]
+        self.freed.append(seq_id)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(seq_id=seqs, swap=st.booleans())
+    def preempt(self, seq_id: str, swap: bool) -> None:
+        model = self.model[seq_id]
+        mode = "swap" if swap else "recompute"
+        if model.state != RUNNING:
+            self.refused(SequenceStateError, lambda: self.mgr.preempt(seq_id, mode), "not running")
+        elif not swap:
+            self.mgr.preempt(seq_id)
+            event("recompute preemption" + (" mid-prefill" if not model.settled else ""))
+            self.invalidate(seq_id)
+            model.reset()
+            model.state = PREEMPTED
+        elif self.num_host_blocks == 0:
+            self.refused(ConfigError, lambda: self.mgr.preempt(seq_id, "swap"), "host pool")
+        elif not model.settled:
+            event("swap out: refused mid-prefill")
+            self.refused(SequenceStateError, lambda: self.mgr.preempt(seq_id, "swap"), "cannot swap out")
+        elif len(model.blocks) > self.num_host_free():
+            event("swap out: host pool full")
+            self.refused(PoolExhaustedError, lambda: self.mgr.preempt(seq_id, "swap"), "need")
+        else:
+            self.mgr.preempt(seq_id, "swap")
+            event("swap out")
+            model.state = SWAPPED
+            model.num_host_blocks = len(model.blocks)
+            model.blocks = {}
+
+    @precondition(lambda self: any(model.state != RUNNING for model in self.model.values()))
+    @rule(pick=st.integers(0, 2**8))
+    def resume(self, pick: int) -> None:
+        # drawn among the sequences that can resume; resuming a running one is a misuse rule
+        waiting = sorted(s for s, model in self.model.items() if model.state != RUNNING)
+        seq_id = waiting[pick % len(waiting)]
+        model = self.model[seq_id]
+        if model.state == PREEMPTED:
+            assert self.mgr.resume(seq_id) == 0
+            model.state = RUNNING
+        elif model.num_host_blocks > self.num_free():
+            event("swap in: device pool full")
+            self.refused(PoolExhaustedError, lambda: self.mgr.resume(seq_id), "need")
+        else:
+            event("swap in")
+            assert self.mgr.resume(seq_id) == model.num_tokens
+            bs = self.block_size
+            held = [
+                j
+                for j in range(ceil_div(model.num_tokens, bs))
+                if j < self.num_sink_blocks or (j + 1) * bs > model.window_start
+            ]
+            assert len(held) == model.num_host_blocks
+            model.blocks = {j: next(self.block_names) for j in held}
+            model.num_host_blocks = 0
+            model.state = RUNNING
+
+    # ------------------------------------------------------------ rules: misuse
+
+    MISUSES = (
+        "unknown id",
+        "freed id",
+        "duplicate id",
+        "fork onto existing",
+        "zero tokens",
+        "negative tokens",
+        "layer out of range",
+        "write again",
+        "attend before write",
+        "wrong shape",
+        "reserve while pending",
+        "resume running",
+    )
+
+    @rule(kind=st.sampled_from(MISUSES), pick=st.integers(0, 2**8), op=st.integers(0, 6))
+    def misuse(self, kind: str, pick: int, op: int) -> None:
+        """One wrong call; it raises its own error and changes nothing (``refused`` checks)."""
+        m = self.mgr
+        live = sorted(self.model)
+        some = live[pick % len(live)] if live else None
+        batch = self.last_batch
+        pending = self.pending if self.pending is not None and not self.pending.stale else None
+        if kind in ("unknown id", "freed id"):
+            seq_id = (
+                self.freed[pick % len(self.freed)] if kind == "freed id" and self.freed else "never-added"
+            )
+            calls = [
+                lambda: m.reserve({seq_id: 1}),
+                lambda: m.plan({seq_id: 1}),
+                lambda: m.fork(seq_id, "child"),
+                lambda: m.free(seq_id),
+                lambda: m.preempt(seq_id),
+                lambda: m.resume(seq_id),
+                lambda: m.block_table(seq_id),
+            ]
+            self.refused(UnknownSequenceError, calls[op], f"no sequence '{seq_id}'")
+        elif kind == "duplicate id" and some is not None:
+            self.refused(DuplicateSequenceError, lambda: m.add_sequence(some), "already exists")
+        elif kind == "fork onto existing" and some is not None:
+            parents = [s for s in live if self.model[s].settled]
+            if parents:
+                self.refused(
+                    DuplicateSequenceError, lambda: m.fork(parents[op % len(parents)], some), "exists"
+                )
+        elif kind in ("zero tokens", "negative tokens") and some is not None:
+            count = 0 if kind == "zero tokens" else -1 - op
+            self.refused(ConfigError, lambda: m.reserve({some: count}), f"must be an int >= 1, got {count}")
+        elif kind == "layer out of range" and batch is not None:
+            layer = [-1, self.num_layers, self.num_layers + op][pick % 3]
+            zeros = np.zeros((batch.num_tokens, *self.kv_shape))
+            self.refused(LayerIndexError, lambda: m.write(layer, batch, zeros, zeros), "out of range")
+            q = np.zeros((batch.num_tokens, *self.q_shape))
+            self.refused(LayerIndexError, lambda: m.attend(layer, batch, q), "out of range")
+        elif kind == "write again" and batch is not None:
+            # layer 0 of the newest batch is written, or the batch is stale by now
+            zeros = np.zeros((batch.num_tokens, *self.kv_shape))
+            self.refused(SequenceStateError, lambda: m.write(0, batch, zeros, zeros))
+        elif kind == "attend before write" and pending is not None:
+            q = pending.kvq[1][2]
+            self.refused(SequenceStateError, lambda: m.attend(1, pending.batch, q), "call write")
+        elif kind == "wrong shape" and pending is not None:
+            n = pending.batch.num_tokens
+            wrong = [np.zeros((n + 1, *self.kv_shape)), np.zeros((n, self.kv_shape[0] + 1, self.kv_shape[1]))]
+            k = wrong[op % 2]
+            self.refused(ShapeError, lambda: m.write(1, pending.batch, k, k), "must have shape")
+            bad_q = np.zeros((n, self.q_shape[0], self.q_shape[1] + 1))
+            self.refused(ShapeError, lambda: m.attend(0, pending.batch, bad_q), "must have shape")
+        elif kind == "reserve while pending" and pending is not None:
+            seq_id = pending.batch.seq_ids[op % pending.batch.num_seqs]
+            self.refused(SequenceStateError, lambda: m.reserve({seq_id: 1}), "have not written")
+            if self.num_host_blocks:
+                self.refused(SequenceStateError, lambda: m.preempt(seq_id, "swap"), "cannot swap out")
+            self.refused(SequenceStateError, lambda: m.fork(seq_id, "child"), "cannot fork")
+        elif kind == "resume running" and some is not None and self.model[some].state == RUNNING:
+            self.refused(SequenceStateError, lambda: m.resume(some), "is running")
+        else:
+            return
+        event(f"misuse: {kind}")
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def manager_matches_the_model(self) -> None:
+        if self.m is None:
+            return
+        m = self.m
+        m.check_invariants()
+        assert sorted(m.seq_ids) == sorted(self.model)
+        names: dict[int, int] = {}
+        bs = self.block_size
+        live_slots: dict[int, set[int]] = {}
+        num_live_tokens = 0
+        for s, model in self.model.items():
+            assert STATES[m.state(s)] == model.state, s
+            assert m.num_tokens(s) == model.num_tokens, s
+            table = m.block_table(s)
+            if model.state != RUNNING:
+                continue
+            assert table.window_start == model.window_start, s
+            assert len(table.block_ids) == len(model.blocks), (s, table, model.blocks)
+            for j, block_id in zip(sorted(model.blocks), table.block_ids):
+                assert names.setdefault(model.blocks[j], block_id) == block_id, (
+                    "sharing differs from the model"
+                )
+            live = list(range(min(self.num_sinks, model.num_tokens))) + list(
+                range(model.window_start, model.num_tokens)
+            )
+            num_live_tokens += len(live)
+            for p in live:
+                live_slots.setdefault(model.blocks[p // bs], set()).add(p % bs)
+        assert len(set(names.values())) == len(names), "two model blocks share one real block"
+        assert m.pool.num_free_blocks == self.num_free()
+        if m.host_pool is not None:
+            assert m.host_pool.num_free_blocks == self.num_host_free()
+        metrics = m.metrics()
+        assert metrics.num_live_tokens == num_live_tokens
+        assert metrics.num_live_slots == sum(len(x) for x in live_slots.values())
+        assert metrics.num_used_blocks == len(names)
+
+
+# NOTE: scaled from the loaded profile (quick or ci), not fixed: each example
+# is cheap (a few ms), and copy-on-write or a stale pending batch needs a fork
+# or a partial write followed by the right reservation, which short runs rarely
+# reach. Quick: 100 examples of up to 50 steps, a few seconds.
+_profile = settings()
+ManagerMachine.TestCase.settings = settings(
+    _profile,
+    max_examples=4 * _profile.max_examples,
+    stateful_step_count=_profile.stateful_step_count + 20,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestManagerMachine = ManagerMachine.TestCase
+
+
+def test_the_machine_catches_a_planted_copy_on_write_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Planted bug: copy-on-write takes a new block but copies nothing into it.
+    # check_invariants() cannot see it (ref counts stay right); only the
+    # oracle comparison can, when a forked sequence attends its old tokens.
+    monkeypatch.setattr(KVPool, "copy_blocks", lambda self, sources, destinations: None)
+    with pytest.raises(AssertionError, match=r"oracle mismatch|bit-exact"):
+        run_state_machine_as_test(
+            ManagerMachine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=30,
+                derandomize=True,
+                database=None,
+                phases=[Phase.generate],
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )

@@ -1,0 +1,605 @@
+"""A Hypothesis state machine over ``KVCacheManager`` with prefix caching on.
+
+Prompts are drawn from a tiny token alphabet (2 or 3 ids) with blocks of 1 to 4
+tokens, so prefixes collide all the time, and the pool is tiny (3 to 10
+blocks), so cached free blocks are evicted in almost every example. Rules:
+add with lookup (then prefill the rest in one or two chunks), add two
+identical prompts in one step, decode, fork, free, preempt (recompute and
+swap), resume, reset, and misuse (a rule on a sequence in the wrong state).
+Two extra-key sets take turns: no salt, and ``{"salt": "tenant-b"}``.
+
+The model of the network (the assumption every output check rests on)::
+
+    q, k, v of the token at position p, layer l = f(token_ids[0 .. p], l)
+
+a deterministic function of the token's *whole prefix* (its id, its position
+and every id before it), as in a real transformer. Two sequences therefore
+hold equal k/v in a block exactly when their prefixes through that block are
+equal, which is what the chained block key promises; a key that forgot its
+parent would share a block whose k/v a from-scratch run would not compute,
+and the oracle check below would see it (``test_machine_catches_unchained_keys``
+plants that bug).
+
+After every step:
+
+* ``manager.check_invariants()``, plus: the allocator marks cached exactly
+  the blocks that have a key;
+* every key in the map names a block whose stored k/v (every layer) are those
+  of the prefix the key was computed from: no stale key on a reused block;
+* every held slot of every sequence (device or host pool) holds the k/v of
+  that sequence's own history;
+* no block is held at once by two sequences with different extra keys.
+
+Every attend output is compared, per token and layer, with the pure-Python
+oracle (:func:`pagedkv.testing.oracle.attend`) over exactly the tokens it
+should see, computed from scratch from the sequence's own history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import pagedkv.manager
+from pagedkv import KVCacheManager, KVPool, SequenceState
+from pagedkv.errors import (
+    DuplicateSequenceError,
+    PoolExhaustedError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
+from pagedkv.prefix_cache import (
+    ROOT_KEY,
+    PrefixCache,
+    block_keys,
+    encode_extra_keys,
+    hash_function,
+    token_bytes,
+)
+from pagedkv.testing.oracle import attend as oracle_attend
+from pagedkv.testing.oracle import within_tolerance
+
+NUM_KV_HEADS = 1
+HEAD_DIM = 2
+#: The two extra-key sets sequences are admitted with.
+EXTRA_KEYS: tuple[Mapping[str, str] | None, ...] = (None, {"salt": "tenant-b"})
+SHA256 = hash_function("sha256")
+
+
+@lru_cache(maxsize=None)
+def qkv(prefix: tuple[int, ...], layer: int) -> np.ndarray:
+    """``(3, NUM_KV_HEADS, HEAD_DIM)`` q, k, v of the last token of ``prefix`` in ``layer``.
+
+    Small exact floats (multiples of 1/64 in [-2, 2]) drawn from a hash of the
+    whole prefix: a stand-in for a model whose k/v depend on every earlier token.
+    """
+    digest = hashlib.blake2b(repr((prefix, layer)).encode(), digest_size=3 * NUM_KV_HEADS * HEAD_DIM)
+    values = (np.frombuffer(digest.digest(), np.uint8).astype(np.float64) - 128.0) / 64.0
+    return values.reshape(3, NUM_KV_HEADS, HEAD_DIM)
+
+
+def visible(position: int, window: int | None, num_sink_tokens: int) -> list[int]:
+    """Positions the token at ``position`` attends to: the sinks, then the window."""
+    sinks = list(range(min(num_sink_tokens, position + 1)))
+    start = len(sinks) if window is None else max(len(sinks), position + 1 - window)
+    return sinks + list(range(start, position + 1))
+
+
+def prefix_of(manager: KVCacheManager) -> PrefixCache:
+    """The manager's prefix cache (private: the tests read its maps directly)."""
+    prefix = manager._prefix
+    assert prefix is not None
+    return prefix
+
+
+def keys_for(tokens: list[int], block_size: int, extra_keys: Mapping[str, str] | None) -> list[bytes]:
+    """The chained keys of ``tokens``' full blocks, as the manager computes them (SHA-256)."""
+    return block_keys(ROOT_KEY, token_bytes(tokens), block_size, encode_extra_keys(extra_keys), SHA256)
+
+
+def snapshot(manager: KVCacheManager) -> Any:
+    """Everything observable about the manager's bookkeeping, for "nothing changed" checks."""
+    allocator = manager.pool.allocator
+    prefix = prefix_of(manager)
+    return (
+        manager.metrics(),
+        [
+            (seq_id, manager.state(seq_id), manager.block_table(seq_id).block_ids, manager.num_tokens(seq_id))
+            for seq_id in manager.seq_ids
+        ],
+        allocator.free_block_ids(),
+        allocator.cached_free_block_ids(),
+        sorted(prefix._block_of.items()),
+    )
+
+
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """Drives a prefix-caching manager and a dumb per-sequence model in lockstep."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: KVCacheManager
+        #: Per sequence id: the tokens its table holds, and its extra keys.
+        self.tokens: dict[Hashable, list[int]] = {}
+        #: Per recompute-preempted id: (the history the manager remembers, the caller's full history).
+        self.preempted: dict[Hashable, tuple[list[int], list[int]]] = {}
+        self.extras: dict[Hashable, Mapping[str, str] | None] = {}
+        #: Every key the test has computed: key -> (extra keys, the tokens through its block).
+        self.known: dict[bytes, tuple[int, tuple[int, ...]]] = {}
+        self.next_id = 0
+        #: Every history seen so far: new prompts often extend a prefix of one.
+        self.histories: list[tuple[int, ...]] = []
+
+    # ------------------------------------------------------------- set-up
+
+    @initialize(
+        block_size=st.integers(1, 4),
+        num_blocks=st.integers(3, 10),
+        num_layers=st.integers(1, 2),
+        window=st.one_of(st.none(), st.integers(1, 6)),
+        num_sink_tokens=st.sampled_from([0, 0, 1, 2, 5]),
+        alphabet_size=st.integers(2, 3),
+    )
+    def setup(
+        self,
+        block_size: int,
+        num_blocks: int,
+        num_layers: int,
+        window: int | None,
+        num_sink_tokens: int,
+        alphabet_size: int,
+    ) -> None:
+        note(
+            f"block_size={block_size} num_blocks={num_blocks} num_layers={num_layers} "
+            f"window={window} sinks={num_sink_tokens} alphabet={alphabet_size}"
+        )
+        self.block_size = block_size
+        self.window = window
+        self.num_sink_tokens = num_sink_tokens
+        self.alphabet = list(range(alphabet_size))
+        self.max_prompt = 3 * block_size + 2
+        pool_args = {"block_size": block_size, "head_dim": HEAD_DIM, "num_layers": num_layers}
+        self.manager = KVCacheManager(
+            KVPool(num_blocks, **pool_args),
+            max_size=window,
+            num_sink_tokens=num_sink_tokens,
+            host_pool=KVPool(num_blocks, **pool_args),
+            enable_prefix_caching=True,
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def draw_prompt(self, data: st.DataObject) -> list[int]:
+        """A prompt that, half the time, starts with a prefix of an earlier history."""
+        tokens = st.sampled_from(self.alphabet)
+        base: list[int] = []
+        if self.histories and data.draw(st.booleans()):
+            history = data.draw(st.sampled_from(self.histories))
+            base = list(history[: data.draw(st.integers(0, len(history)))])
+        room = max(1, self.max_prompt - len(base))
+        tail = data.draw(st.lists(tokens, min_size=0 if base else 1, max_size=min(room, self.block_size + 2)))
+        return (base + tail)[: self.max_prompt] or [self.alphabet[0]]
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def learn_keys(self, seq_id: Hashable) -> None:
+        tokens = self.tokens[seq_id]
+        kind = EXTRA_KEYS.index(self.extras[seq_id])
+        for i, key in enumerate(keys_for(tokens, self.block_size, self.extras[seq_id])):
+            self.known[key] = (kind, tuple(tokens[: (i + 1) * self.block_size]))
+
+    def run_step(self, chunks: dict[Hashable, list[int]]) -> None:
+        """Reserve, write every layer and attend ``chunks``; check every output with the oracle.
+
+        The caller has checked that the reservation fits.
+        """
+        manager = self.manager
+        batch = manager.reserve(chunks)
+        positions = []
+        for seq_id, new_tokens in chunks.items():
+            history = self.tokens[seq_id]
+            start = len(history)
+            assert manager.num_tokens(seq_id) == start + len(new_tokens)
+            history.extend(new_tokens)
+            positions += [(seq_id, start + i) for i in range(len(new_tokens))]
+        for layer in range(manager.pool.num_layers):
+            rows = np.array([qkv(tuple(self.tokens[s][: p + 1]), layer) for s, p in positions])
+            # rows: (num_tokens, 3, num_kv_heads, head_dim)
+            manager.write(layer, batch, rows[:, 1], rows[:, 2])
+            out = manager.attend(layer, batch, rows[:, 0])  # (num_tokens, num_kv_heads, head_dim)
+            for (seq_id, position), actual, row in zip(positions, out, rows):
+                history = self.tokens[seq_id]
+                seen = visible(position, manager.layer_max_sizes[layer], self.num_sink_tokens)
+                kv = [qkv(tuple(history[: j + 1]), layer) for j in seen]
+                expected, peak = oracle_attend(
+                    row[0].tolist(), [x[1].tolist() for x in kv], [x[2].tolist() for x in kv]
+                )
+                assert within_tolerance(actual.tolist(), expected, peak), (
+                    f"sequence {seq_id} position {position} layer {layer}: {actual.tolist()} "
+                    f"!= oracle {expected}"
+                )
+        for seq_id in chunks:
+            self.learn_keys(seq_id)
+            self.histories.append(tuple(self.tokens[seq_id]))
+
+    def expected_hit(self, tokens: list[int], extra_keys: Mapping[str, str] | None) -> int:
+        """Leading tokens the cache should report for ``tokens`` now (looked up before the call)."""
+        num_usable = (len(tokens) - 1) // self.block_size
+        prefix = prefix_of(self.manager)
+        num_hit = 0
+        for key in keys_for(tokens, self.block_size, extra_keys)[:num_usable]:
+            if prefix.block_for(key) is None:
+                break
+            num_hit += 1
+        return num_hit * self.block_size
+
+    def check_shared_keys(self, seq_id: Hashable) -> None:
+        """Every held full block of ``seq_id`` that has a key has *its* key (salt included)."""
+        table = self.manager.block_table(seq_id)
+        keys = keys_for(self.tokens[seq_id], self.block_size, self.extras[seq_id])
+        prefix = prefix_of(self.manager)
+        for logical_block, key in enumerate(keys):
+            held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
+            if held:
+                block_key = prefix.key_of(table.slot(logical_block * self.block_size) // self.block_size)
+                assert block_key in (None, key), f"block {logical_block} of {seq_id} has a foreign key"
+
+    def try_prefill(self, seq_id: Hashable, rest: list[int], split: int) -> bool:
+        """Feed ``rest`` in one or two chunks; False (nothing reserved) if it does not fit."""
+        chunks = [rest[:split], rest[split:]] if 0 < split < len(rest) else [rest]
+        for chunk in chunks:
+            request = {seq_id: chunk}
+            if not self.manager.can_reserve(request):
+                before = snapshot(self.manager)
+                with pytest.raises(PoolExhaustedError):
+                    self.manager.reserve(request)
+                assert snapshot(self.manager) == before
+                return False
+            self.run_step(request)
+        return True
+
+    # -------------------------------------------------------------- rules
+
+    @rule(target=seqs, data=st.data())
+    def add(self, data: st.DataObject) -> Any:
+        prompt = self.draw_prompt(data)
+        extra_keys = data.draw(st.sampled_from(EXTRA_KEYS))
+        split = data.draw(st.integers(0, len(prompt)))
+        seq_id = self.new_id()
+        manager = self.manager
+        expected = self.expected_hit(prompt, extra_keys)
+        before = manager.metrics()
+        num_hit = manager.add_sequence(seq_id, prompt, extra_keys=extra_keys)
+        note(f"add {seq_id} {prompt} {extra_keys} -> {num_hit} cached")
+        assert num_hit == expected
+        assert num_hit % self.block_size == 0 and num_hit < len(prompt)
+        after = manager.metrics()
+        assert after.num_prefix_queries == before.num_prefix_queries + len(prompt)
+        assert after.num_prefix_hits == before.num_prefix_hits + num_hit
+        assert manager.num_tokens(seq_id) == num_hit
+        self.tokens[seq_id] = list(prompt[:num_hit])
+        self.extras[seq_id] = extra_keys
+        self.check_shared_keys(seq_id)
+        if not self.try_prefill(seq_id, list(prompt[num_hit:]), split):
+            note(f"{seq_id} does not fit: not admitted")
+            self.drop(seq_id)
+            return multiple()
+        return seq_id
+
+    @rule(target=seqs, data=st.data())
+    def add_identical_in_one_step(self, data: st.DataObject) -> Any:
+        """nano-vllm #219: two identical prompts admitted, reserved and written in one step."""
+        prompt = self.draw_prompt(data)
+        extra_keys = data.draw(st.sampled_from(EXTRA_KEYS))
+        first, second = self.new_id(), self.new_id()
+        manager = self.manager
+        hits = [manager.add_sequence(s, prompt, extra_keys=extra_keys) for s in (first, second)]
+        note(f"add {first}, {second} {prompt} {extra_keys} in one step -> {hits} cached")
+        assert hits[0] == hits[1]
+        for seq_id in (first, second):
+            self.tokens[seq_id] = list(prompt[: hits[0]])
+            self.extras[seq_id] = extra_keys
+        rest = list(prompt[hits[0] :])
+        request = {first: rest, second: rest}
+        if not manager.can_reserve(request):
+            for seq_id in (first, second):
+                self.drop(seq_id)
+            return multiple()
+        self.run_step(request)
+        table_a, table_b = manager.block_table(first), manager.block_table(second)
+        if hits[0] == 0 and table_a.num_blocks and table_b.num_blocks:
+            # Same contents computed twice: neither table may hold a block of the other's
+            # newly computed part, and at most one of each pair got the key.
+            assert not set(table_a.block_ids) & set(table_b.block_ids)
+        return multiple(first, second)
+
+    @rule(seq_id=seqs, data=st.data())
+    def decode(self, seq_id: Hashable, data: st.DataObject) -> None:
+        token = data.draw(st.sampled_from(self.alphabet))
+        manager = self.manager
+        state = manager.state(seq_id)
+        if state is not SequenceState.RUNNING:
+            before = snapshot(manager)
+            with pytest.raises(SequenceStateError):
+                manager.reserve({seq_id: [token]})
+            assert snapshot(manager) == before
+            return
+        note(f"decode {seq_id} {token}")
+        self.try_prefill(seq_id, [token], 0)
+
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent: Hashable) -> Any:
+        manager = self.manager
+        child = self.new_id()
+        if manager.state(parent) is not SequenceState.RUNNING:
+            before = snapshot(manager)
+            with pytest.raises(SequenceStateError):
+                manager.fork(parent, child)
+            assert snapshot(manager) == before
+            return multiple()
+        with pytest.raises(DuplicateSequenceError):
+            manager.fork(parent, parent)
+        manager.fork(parent, child)
+        note(f"fork {parent} -> {child}")
+        self.tokens[child] = list(self.tokens[parent])
+        self.extras[child] = self.extras[parent]
+        assert manager.block_table(child).block_ids == manager.block_table(parent).block_ids
+        return child
+
+    @rule(seq_id=consumes(seqs))
+    def free(self, seq_id: Hashable) -> None:
+        note(f"free {seq_id}")
+        self.drop(seq_id)
+        manager = self.manager
+        before = snapshot(manager)
+        with pytest.raises(UnknownSequenceError):
+            manager.free(seq_id)
+        if manager.pool.num_used_blocks:
+            with pytest.raises(SequenceStateError):
+                manager.reset_prefix_cache()
+        assert snapshot(manager) == before
+
+    @rule(seq_id=seqs, mode=st.sampled_from(["recompute", "swap"]))
+    def preempt(self, seq_id: Hashable, mode: str) -> None:
+        manager = self.manager
+        before = snapshot(manager)
+        if manager.state(seq_id) is not SequenceState.RUNNING:
+            with pytest.raises(SequenceStateError):
+                manager.preempt(seq_id, mode)
+            assert snapshot(manager) == before
+            return
+        host = manager.host_pool
+        assert host is not None
+        if mode == "swap" and not host.can_allocate(manager.block_table(seq_id).num_blocks):
+            with pytest.raises(PoolExhaustedError):
+                manager.preempt(seq_id, mode)
+            assert snapshot(manager) == before
+            return
+        note(f"preempt {seq_id} ({mode})")
+        manager.preempt(seq_id, mode)
+        after = manager.metrics()
+        assert after.num_prefix_hits == before[0].num_prefix_hits
+        if mode == "recompute":
+            history = self.tokens[seq_id]
+            self.preempted[seq_id] = (list(history), list(history))
+            self.tokens[seq_id] = []
+
+    @rule(seq_id=seqs, split=st.integers(0, 12))
+    def resume(self, seq_id: Hashable, split: int) -> None:
+        manager = self.manager
+        state = manager.state(seq_id)
+        before = snapshot(manager)
+        if state is SequenceState.RUNNING:
+            with pytest.raises(SequenceStateError):
+                manager.resume(seq_id)
+            assert snapshot(manager) == before
+            return
+        prefix = prefix_of(manager)
+        if state is SequenceState.SWAPPED:
+            history = self.tokens[seq_id]
+            num_held = manager.block_table(seq_id).num_blocks
+            if not manager.pool.can_allocate(num_held):
+                with pytest.raises(PoolExhaustedError):
+                    manager.resume(seq_id)
+                assert snapshot(manager) == before
+                return
+            keys = keys_for(history, self.block_size, self.extras[seq_id])
+            free_keys = {key for key in keys if prefix.block_for(key) is None}
+            assert manager.resume(seq_id) == len(history)
+            note(f"resume {seq_id} from swap")
+            # Restored blocks are keyed again where their key is free.
+            table = manager.block_table(seq_id)
+            for logical_block, key in enumerate(keys):
+                held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
+                if held and key in free_keys:
+                    block_id = table.slot(logical_block * self.block_size) // self.block_size
+                    assert prefix.block_for(key) == block_id
+            self.check_shared_keys(seq_id)
+            return
+        # Recompute: the sequence's own cached blocks are reused, counted apart from hits.
+        # NOTE: the manager remembers only the tokens it was given; a sequence preempted
+        # again before its re-fed tokens were reserved is looked up by that shorter history.
+        remembered, history = self.preempted.pop(seq_id)
+        expected = self.expected_hit(remembered, self.extras[seq_id])
+        num_reused = manager.resume(seq_id)
+        note(f"resume {seq_id} for recompute: {num_reused} of {len(history)} tokens reused")
+        assert num_reused == expected
+        after = manager.metrics()
+        assert after.num_prefix_hits == before[0].num_prefix_hits
+        assert after.num_prefix_queries == before[0].num_prefix_queries
+        assert after.num_resumed_reuse_tokens == before[0].num_resumed_reuse_tokens + num_reused
+        self.tokens[seq_id] = list(history[:num_reused])
+        self.check_shared_keys(seq_id)
+        if not self.try_prefill(seq_id, history[num_reused:], split):
+            note(f"{seq_id} does not fit: preempted again")
+            manager.preempt(seq_id)
+            self.preempted[seq_id] = (self.tokens[seq_id], history)
+            self.tokens[seq_id] = []
+
+    @rule(seq_id=seqs, mode=st.sampled_from(["recompute", "swap"]), split=st.integers(0, 12))
+    def preempt_then_resume(self, seq_id: Hashable, mode: str, split: int) -> None:
+        """Preempt and resume at once: the own cached blocks are all still there to reuse."""
+        if self.manager.state(seq_id) is SequenceState.RUNNING:
+            self.preempt(seq_id, mode)
+            self.resume(seq_id, split)
+
+    @precondition(lambda self: self.manager.pool.num_used_blocks == 0)
+    @rule()
+    def reset(self) -> None:
+        """Drop every key (refused while blocks are in use: checked in ``free``)."""
+        manager = self.manager
+        note("reset")
+        manager.reset_prefix_cache()
+        metrics = manager.metrics()
+        assert metrics.num_cached_blocks == 0
+        assert metrics.num_cached_free_blocks == 0
+        assert metrics.num_free_blocks == metrics.num_blocks
+
+    # --------------------------------------------------------- invariants
+
+    def drop(self, seq_id: Hashable) -> None:
+        self.manager.free(seq_id)
+        del self.tokens[seq_id]
+        del self.extras[seq_id]
+        self.preempted.pop(seq_id, None)
+
+    @invariant()
+    def manager_invariants_hold(self) -> None:
+        self.manager.check_invariants()
+        prefix = prefix_of(self.manager)
+        allocator = self.manager.pool.allocator
+        assert allocator._cached == set(prefix._key_of), "cached marks and keys disagree"
+        metrics = self.manager.metrics()
+        assert metrics.num_cached_blocks == len(prefix._block_of)
+        assert metrics.num_cached_free_blocks == len(allocator.cached_free_block_ids())
+
+    @invariant()
+    def every_key_names_its_contents(self) -> None:
+        """No stale key: a keyed block holds the k/v of the prefix its key was computed from."""
+        pool = self.manager.pool
+        bs = self.block_size
+        for key, block_id in prefix_of(self.manager)._block_of.items():
+            entry = self.known.get(key)
+            assert entry is not None, f"block {block_id} has a key no prefix of any history gives"
+            _, tokens = entry
+            start = len(tokens) - bs
+            for layer in range(pool.num_layers):
+                expected = np.array([qkv(tokens[: p + 1], layer) for p in range(start, start + bs)])
+                stored_k = pool.keys(layer)[:, block_id].transpose(1, 0, 2)  # (bs, heads, head_dim)
+                stored_v = pool.values(layer)[:, block_id].transpose(1, 0, 2)
+                assert np.array_equal(stored_k, expected[:, 1]), f"block {block_id}: stale key"
+                assert np.array_equal(stored_v, expected[:, 2]), f"block {block_id}: stale key"
+
+    @invariant()
+    def every_held_slot_holds_its_own_history(self) -> None:
+        manager = self.manager
+        for seq_id, history in self.tokens.items():
+            state = manager.state(seq_id)
+            if state is SequenceState.PREEMPTED:
+                assert manager.block_table(seq_id).num_blocks == 0
+                continue
+            pool = manager.pool if state is SequenceState.RUNNING else manager.host_pool
+            assert pool is not None
+            table = manager.block_table(seq_id)
+            assert table.num_tokens == len(history)
+            bs = self.block_size
+            for start, end in table.live_ranges():
+                for p in range(start, end):
+                    block_id, offset = divmod(table.slot(p), bs)
+                    for layer in range(pool.num_layers):
+                        expected = qkv(tuple(history[: p + 1]), layer)
+                        assert np.array_equal(pool.keys(layer)[:, block_id, offset], expected[1])
+                        assert np.array_equal(pool.values(layer)[:, block_id, offset], expected[2])
+
+    @invariant()
+    def tenants_never_share_a_block(self) -> None:
+        owner: dict[int, Mapping[str, str] | None] = {}
+        for seq_id in self.tokens:
+            if self.manager.state(seq_id) is not SequenceState.RUNNING:
+                continue
+            for block_id in self.manager.block_table(seq_id).block_ids:
+                extra_keys = owner.setdefault(block_id, self.extras[seq_id])
+                assert extra_keys == self.extras[seq_id], f"block {block_id} shared across salts"
+
+
+TestPrefixCaching = PrefixCachingMachine.TestCase
+# Four times the loaded profile's examples: the machine is cheap (about 1 ms a step) and
+# collisions, evictions and reuse after preemption need many runs to meet.
+TestPrefixCaching.settings = settings(
+    settings.default, max_examples=4 * (settings.default.max_examples or 25)
+)
+
+
+# ----------------------------------------------------- the machine catches bugs
+
+
+def _planted(block_keys_impl: Any) -> None:
+    """Run the machine against a manager whose block keys come from ``block_keys_impl``."""
+    original = pagedkv.manager.block_keys
+    pagedkv.manager.block_keys = block_keys_impl
+    try:
+        run_state_machine_as_test(
+            PrefixCachingMachine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=30,
+                phases=[Phase.generate],
+                database=None,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
+    finally:
+        pagedkv.manager.block_keys = original
+
+
+def test_machine_catches_unchained_keys() -> None:
+    """Planted bug: a block's key forgets its parent, so equal blocks after different prefixes
+    share k/v a from-scratch run would not compute. The oracle check must catch it."""
+
+    def unchained(parent: bytes, tokens: bytes, block_size: int, extras: bytes, hasher: Any) -> list[bytes]:
+        step = 8 * block_size  # int64 token ids
+        return [
+            block_keys(ROOT_KEY, tokens[i : i + step], block_size, extras, hasher)[0]
+            for i in range(0, len(tokens) - step + 1, step)
+        ]
+
+    with pytest.raises(AssertionError):
+        _planted(unchained)
+
+
+def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
+    """Planted bug: the lookup may report every full block of the prompt (nano-vllm #144)."""
+    original = pagedkv.manager.KVCacheManager._share_cached_prefix
+
+    def greedy(self: KVCacheManager, seq: Any, token_ids: list[int], tokens: bytes) -> int:
+        return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]))
+
+    pagedkv.manager.KVCacheManager._share_cached_prefix = greedy  # type: ignore[method-assign]
+    try:
+        with pytest.raises(AssertionError):
+            _planted(block_keys)
+    finally:
+        pagedkv.manager.KVCacheManager._share_cached_prefix = original  # type: ignore[method-assign]
