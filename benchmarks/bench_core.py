@@ -352,7 +352,7 @@ def memory_child(total: int) -> None:
     rng = np.random.default_rng(4)
     ring = rng.standard_normal((4096, 3, num_heads, head_dim), dtype=DTYPE)
     cache = KVCache(WINDOW, block_size=BLOCK_SIZE, dtype=DTYPE)
-    checkpoints = {10_000, total}
+    checkpoints = {10_000, min(100_000, total), total}
     records = []
     start = time.perf_counter()
     with threadpool_limits(1):
@@ -362,15 +362,18 @@ def memory_child(total: int) -> None:
             if t + 1 in checkpoints:
                 pool = cache.pool
                 assert pool is not None
+                # Read before building the record; sys.getallocatedblocks allocates
+                # nothing (gc.get_objects would). Earlier records count in it (~10 blocks each).
+                allocated_blocks = sys.getallocatedblocks()
+                peak_rss, rss = _status_kib("VmHWM"), _status_kib("VmRSS")
                 records.append({
                     "tokens": t + 1,
-                    "peak_rss_kib": _status_kib("VmHWM"),
-                    "rss_kib": _status_kib("VmRSS"),
+                    "peak_rss_kib": peak_rss,
+                    "rss_kib": rss,
                     "pool_blocks": pool.num_blocks,
                     "pool_bytes": pool.num_blocks * pool.bytes_per_block,
                     "blocks_held": cache.num_blocks,
-                    # sys.getallocatedblocks allocates nothing (gc.get_objects would)
-                    "allocated_blocks": sys.getallocatedblocks(),
+                    "allocated_blocks": allocated_blocks,
                     "seconds": time.perf_counter() - start,
                 })
     print(json.dumps(records))
@@ -392,8 +395,9 @@ def memory_flat(total: int) -> tuple[str, list[str]]:
         f"{r['allocated_blocks']:,}",
         f"{r['seconds']:.1f} s",
     ] for r in records]
-    first, last = records[0], records[-1]
+    first, middle, last = records[0], records[len(records) // 2], records[-1]
     grew = last["peak_rss_kib"] - first["peak_rss_kib"]
+    grew_late = last["peak_rss_kib"] - middle["peak_rss_kib"]
     flat = grew <= 0 and last["pool_blocks"] <= first["pool_blocks"]
     verdict = "met" if flat else "NOT met"
     notes = [
@@ -403,7 +407,8 @@ def memory_flat(total: int) -> tuple[str, list[str]]:
         "block_size 16, 1 head, head_dim 8, float32",
         f"peak RSS after {last['tokens']:,} vs after {first['tokens']:,} tokens: "
         f"{'+' if grew >= 0 else ''}{grew} KiB; pool {last['pool_blocks']} vs {first['pool_blocks']} "
-        f"blocks (target, no higher: {verdict})",
+        f"blocks (target, no higher: {verdict}); from {middle['tokens']:,} to {last['tokens']:,} "
+        f"tokens: {'+' if grew_late >= 0 else ''}{grew_late} KiB",
     ]
     cols = ["tokens streamed", "peak RSS", "RSS", "pool blocks", "blocks held",
             "Python heap blocks", "elapsed"]

@@ -24,15 +24,21 @@ from pagedkv.simulate import Budget, ModelShape, SimConfig, parse_bytes, run_pol
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=10_000)
     parser.add_argument("--split-requests", type=int, default=2_000, help="requests for part 2")
     args = parser.parse_args()
     config = SimConfig(Budget.from_bytes(parse_bytes("12GiB"), ModelShape()), block_size=16)
     print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}")
-    print(f"workload: {args.num_requests:,} ShareGPT-like requests; OPT-13B, 12 GiB = {config.num_blocks} blocks of 16\n")
+    print(
+        f"workload: {args.num_requests:,} ShareGPT-like requests; OPT-13B, 12 GiB = "
+        f"{config.num_blocks} blocks of 16\n"
+    )
     workload = synthetic("sharegpt", args.num_requests, seed=0)
-    print(f"{'policy':<12} {'wall s':>8} {'cpu s':>8} {'steps':>9} {'sim tokens':>11} {'tokens/s (wall)':>16}")
+    header = f"{'policy':<12} {'wall s':>8} {'cpu s':>8} {'steps':>9} {'sim tokens':>11}"
+    print(f"{header} {'tokens/s (wall)':>16}")
     total_wall = 0.0
     for policy in ("paged", "contiguous"):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -47,7 +53,10 @@ def main() -> None:
 
     spent = {"reserve": 0.0, "write": 0.0}
     calls = {"reserve": 0, "write": 0}
-    originals: dict[str, Callable[..., Any]] = {"reserve": KVCacheManager.reserve, "write": KVCacheManager.write}
+    originals: dict[str, Callable[..., Any]] = {
+        "reserve": KVCacheManager.reserve,
+        "write": KVCacheManager.write,
+    }
 
     def timed(name: str) -> Callable[..., Any]:
         original = originals[name]
@@ -80,7 +89,10 @@ def main() -> None:
             f"  manager.{name:<8} {spent[name]:6.2f} s  {100 * spent[name] / cpu:5.1f}%  "
             f"{calls[name]:,} calls, {1e6 * spent[name] / calls[name]:.0f} us per call"
         )
-    print(f"  everything else  {rest:6.2f} s  {100 * rest / cpu:5.1f}%  (the simulator's loop, preempt, free, fork...)")
+    print(
+        f"  everything else  {rest:6.2f} s  {100 * rest / cpu:5.1f}%  "
+        "(the simulator's loop, preempt, free, fork...)"
+    )
     print(
         f"  per decode token: {1e6 * spent['reserve'] / decode:.2f} us in reserve (all reservations, "
         f"prefill included, over {decode:,} decode tokens)"

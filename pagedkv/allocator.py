@@ -115,6 +115,15 @@ class BlockAllocator:
         """
         return 0 <= num_blocks <= (len(self._queue) - self._head) + len(self._cached_free)
 
+    def max_ref_count(self, block_ids: Iterable[int]) -> int:
+        """The largest ref count among ``block_ids`` (0 for none); ids are not checked.
+
+        >>> BlockAllocator(2).max_ref_count([0, 1])
+        0
+        """
+        ref_counts = self._ref_counts
+        return max((ref_counts[block_id] for block_id in block_ids), default=0)
+
     def is_cached(self, block_id: int) -> bool:
         """Whether ``block_id`` is marked cached (its contents are findable by key)."""
         return block_id in self._cached

@@ -181,6 +181,12 @@ class BlockTable:
             return self._sink_ids[logical_block] * bs + offset
         return self._ids[logical_block - self._first_block] * bs + offset
 
+    def held_blocks(self) -> list[tuple[int, int]]:
+        """``(logical block index, block id)`` of every held block, in logical order."""
+        pairs = list(enumerate(self._sink_ids))
+        pairs.extend(enumerate(self._ids, start=self._first_block))
+        return pairs
+
     def slots(self, start: int, end: int) -> list[int]:
         """Slots of held logical indices ``start .. end - 1``, one ``range`` per block.
 

@@ -113,7 +113,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     Returns:
         ``parser``.
     """
-    parser.add_argument("spec", metavar="MODULE:FACTORY", help="e.g. pagedkv:KVCache or mycache:make")
+    parser.add_argument(
+        "spec", metavar="MODULE:FACTORY", help="e.g. pagedkv:KVCache or mycache:make"
+    )
     parser.add_argument(
         "--max-examples", type=_positive, default=100, help="examples to try (default 100)"
     )
@@ -129,7 +131,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--heads", type=_heads, default=("one-head",), metavar="LAYOUTS",
         help="one (vectors [d], the default), multi, gqa, all; comma-separated",
     )
-    parser.add_argument("--head-dim", type=_positive, default=4, help="largest head_dim (default 4)")
+    parser.add_argument(
+        "--head-dim", type=_positive, default=4, help="largest head_dim (default 4)"
+    )
     parser.add_argument(
         "--max-heads", type=_positive, default=4, help="most query heads (default 4)"
     )
@@ -138,7 +142,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--precision", choices=("float64", "float32"), default="float64",
         help="what the cache computes in; sets the tolerance (default float64)",
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="the cache's score scale (default 1)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="the cache's score scale (default 1)"
+    )
     parser.add_argument(
         "--caches", type=_positive, default=2, help="most caches per example (default 2)"
     )

@@ -71,6 +71,15 @@ def as_vectors(
             f"{name} holds {bad} in {dtype}; every value must be finite"
             + ("" if not np.isfinite(array).all() else f" (it overflows {dtype})")
         )
+    # A margin below the dtype's maximum: a softmax-weighted sum of values (and
+    # a partial sum inside a matmul) must not overflow even after rounding.
+    limit = float(np.finfo(dtype).max) / 16
+    largest = float(np.abs(converted).max())
+    if largest > limit:
+        raise NonFiniteError(
+            f"{name} holds a value of magnitude {largest:.3g}, above {limit:.3g} "
+            f"(the {dtype} maximum / 16) that keeps every sum finite; scale it down"
+        )
     return converted, came_as_list
 
 

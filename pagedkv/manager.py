@@ -606,20 +606,30 @@ class KVCacheManager:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
         pool = self.pool
         bs = pool.block_size
-        live: dict[int, int] = {}  # block id -> bitmask of live offsets
-        num_live_tokens = 0
+        ref_count = pool.allocator.ref_count
+        live: dict[int, int] = {}  # shared block id -> bitmask of live offsets
+        num_live_tokens = num_live_slots = 0
         for seq in self._seqs.values():
             if seq.state is not SequenceState.RUNNING:
                 continue
             table = seq.table
             num_live_tokens += table.num_cached_tokens
-            for start, end in table.live_ranges():
-                for logical_block in range(start // bs, (end - 1) // bs + 1):
-                    block_id = table.slot(max(start, logical_block * bs)) // bs
-                    lo = max(start, logical_block * bs) - logical_block * bs
-                    hi = min(end, (logical_block + 1) * bs) - logical_block * bs
-                    live[block_id] = live.get(block_id, 0) | ((1 << hi) - (1 << lo))
-        num_live_slots = sum(bin(mask).count("1") for mask in live.values())
+            if pool.allocator.max_ref_count(table.block_ids) <= 1:
+                num_live_slots += table.num_cached_tokens  # nothing shared: count directly
+                continue
+            ranges = table.live_ranges()
+            for logical_block, block_id in table.held_blocks():
+                first = logical_block * bs
+                mask = 0
+                for start, end in ranges:
+                    lo, hi = max(start, first), min(end, first + bs)
+                    if lo < hi:
+                        mask |= (1 << (hi - first)) - (1 << (lo - first))
+                if ref_count(block_id) == 1:
+                    num_live_slots += bin(mask).count("1")
+                else:
+                    live[block_id] = live.get(block_id, 0) | mask
+        num_live_slots += sum(bin(mask).count("1") for mask in live.values())
         used = pool.num_used_blocks
         host_used = self.host_pool.num_used_blocks if self.host_pool is not None else 0
         states = [seq.state for seq in self._seqs.values()]

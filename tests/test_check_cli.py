@@ -40,7 +40,9 @@ def test_a_passing_cache_exits_0_with_a_count() -> None:
 def test_a_planted_bug_exits_1_with_a_program_that_fails_on_its_own(tmp_path: Path) -> None:
     result = pagedkv_check("pagedkv.testing.buggy:EvictsAfterScoring", "--seed", "0")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAILED: pagedkv.testing.buggy:EvictsAfterScoring broke the seed contract." in result.stdout
+    assert "FAILED: pagedkv.testing.buggy:EvictsAfterScoring broke the seed contract." in (
+        result.stdout
+    )
     assert "Replay this run: pagedkv check pagedkv.testing.buggy:EvictsAfterScoring --seed 0" in (
         result.stdout
     )

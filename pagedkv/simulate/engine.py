@@ -2,7 +2,7 @@
 
 Nothing about memory is modeled here: every block is taken, shared, copied
 on write, evicted and freed by the manager on a real (tiny) pool, and the
-report reads the manager's own metrics. The pool is one layer, one head,
+report reads the manager's own block tables and pool. The pool is one layer, one head,
 ``head_dim`` 1; writing each step's k/v (the manager requires it before the
 next reservation) is cheap. Attention is not computed: outputs do not change
 what memory holds.
@@ -20,7 +20,8 @@ One step, as in vLLM's scheduler (v1)::
        free, after the prefix-cache lookup of ``add_sequence``; skipped in a
        step that preempted. A request with ``n`` samples forks after prefill.
        A preempted request comes back with ``resume`` and re-feeds its tokens
-    5. measure memory (every ``sample_every`` steps, via ``metrics()``)
+    5. measure memory every ``sample_every`` steps from the block tables
+       (the count ``metrics()`` gives, checked with ``check_every_step``)
     6. free requests whose last output token was written in this step
 
 A request with prompt ``P`` and output ``O`` holds ``P`` tokens after its
@@ -50,6 +51,7 @@ from pagedkv.errors import PoolExhaustedError
 from pagedkv.manager import KVCacheManager, SequenceState
 from pagedkv.pool import KVPool
 from pagedkv.simulate.config import BudgetError, SimConfig
+from pagedkv.simulate.occupancy import count_live_slots
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.result import Accumulator, PolicyResult
 from pagedkv.simulate.workload import Request, Workload, WorkloadError
@@ -504,37 +506,10 @@ class PagedEngine:
         """``(live slots, block ids held over all tables)`` of the running sequences.
 
         The same count as ``manager.metrics().num_live_slots`` (checked at
-        every step with ``check_every_step``), read from the block tables in
-        O(sequences) instead of O(blocks): every held block between a table's
-        first and last is full and live, so only the two end blocks need their
-        live ranges, merged over the tables that share them.
+        every step with ``check_every_step``), but O(sequences); see
+        :func:`~pagedkv.simulate.occupancy.count_live_slots`.
         """
-        manager = self.manager
-        bs = self.config.block_size
-        full: set[int] = set()
-        ends: dict[int, tuple[int, int]] = {}
-        num_held = 0
-        for live in self._running:
-            for seq_id in live.seq_ids:
-                table = manager.block_table(seq_id)
-                block_ids = table.block_ids
-                num_held += len(block_ids)
-                if not block_ids:
-                    continue
-                num_tokens, window_start = table.num_tokens, table.window_start
-                if len(block_ids) > 2:
-                    full.update(block_ids[1:-1])
-                first = table.first_block_index * bs
-                last = first + (len(block_ids) - 1) * bs
-                for block_id, base in ((block_ids[0], first), (block_ids[-1], last)):
-                    lo, hi = max(0, window_start - base), min(bs, num_tokens - base)
-                    old = ends.get(block_id)
-                    ends[block_id] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
-        num_live = bs * len(full)
-        for block_id, (lo, hi) in ends.items():
-            if block_id not in full:
-                num_live += hi - lo
-        return num_live, num_held
+        return count_live_slots(self.manager, [s for live in self._running for s in live.seq_ids])
 
     def _sample(self, stats: Accumulator, step: int) -> None:
         num_live, num_held = self.live_slots()

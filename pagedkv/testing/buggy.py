@@ -123,7 +123,9 @@ class NaiveSoftmax(SeedCache):
             del self.keys[0], self.values[0]
         weights = [math.exp(sum(a * b for a, b in zip(q, key))) for key in self.keys]
         total = sum(weights)
-        return [sum(w * val[i] for w, val in zip(weights, self.values)) / total for i in range(len(q))]
+        return [
+            sum(w * val[i] for w, val in zip(weights, self.values)) / total for i in range(len(q))
+        ]
 
 
 class FreesBlockEarly:
@@ -156,7 +158,7 @@ class FreesBlockEarly:
         return self.num_tokens - self.first
 
     def attend(self, q: Any, k: Any, v: Any) -> list[float]:
-        """Append ``k``/``v`` into the last block, evict past ``max_size``, attend over the blocks."""
+        """Append ``k``/``v`` to the last block, evict past ``max_size``, attend over the blocks."""
         query, key, value = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
         if self.keys is None or self.values is None:
             self.keys = np.zeros((self.num_blocks, self.block_size, key.shape[-1]))

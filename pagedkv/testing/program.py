@@ -346,7 +346,8 @@ def replay(
             elif isinstance(step, AttendStep):
                 checked = caches[step.name]
                 try:
-                    checked.attend(*(feed_value(x, feed, precision) for x in (step.q, step.k, step.v)))
+                    fed = [feed_value(x, feed, precision) for x in (step.q, step.k, step.v)]
+                    checked.attend(*fed)
                 finally:
                     step.expected = checked.last_expected
             else:
@@ -354,7 +355,8 @@ def replay(
     except ContractError as error:
         return error
     except Exception as error:  # close() failing, or a bad program
-        return ContractError(f"{type(error).__name__}: {error}", kind=f"raised {type(error).__name__}")
+        name = type(error).__name__
+        return ContractError(f"{name}: {error}", kind=f"raised {name}")
     finally:
         if close:
             for checked in caches.values():
@@ -390,29 +392,40 @@ def shrink_program(
     Returns:
         The smallest failing program found (a new list; ``steps`` is unchanged).
     """
-    state = {"best": [_copy(step) for step in steps], "budget": max_replays}
+    search = _Search([_copy(step) for step in steps], still_fails, max_replays)
+    for _ in range(4):
+        before = _size(search.best())
+        _delete_steps(search.best, search.attempt)
+        _smaller_windows(search.best, search.attempt)
+        _narrower_tokens(search.best, search.attempt)
+        _simpler_values(search.best, search.attempt)
+        if _size(search.best()) >= before or search.budget <= 0:
+            break
+    return _renumber([_copy(step) for step in search.best()])
 
-    def attempt(candidate: list[Step]) -> bool:
-        if state["budget"] <= 0 or not _well_formed(candidate):  # type: ignore[operator]
+
+class _Search:
+    """The best failing program so far, and the replays left to improve it."""
+
+    def __init__(
+        self, steps: list[Step], still_fails: Callable[[list[Step]], bool], budget: int
+    ) -> None:
+        self._best = steps
+        self._still_fails = still_fails
+        self.budget = budget
+
+    def best(self) -> list[Step]:
+        return self._best
+
+    def attempt(self, candidate: list[Step]) -> bool:
+        """Keep ``candidate`` if it is well formed and still fails."""
+        if self.budget <= 0 or not _well_formed(candidate):
             return False
-        state["budget"] -= 1  # type: ignore[operator]
-        if still_fails([_copy(step) for step in candidate]):
-            state["best"] = candidate
+        self.budget -= 1
+        if self._still_fails([_copy(step) for step in candidate]):
+            self._best = candidate
             return True
         return False
-
-    def best() -> list[Step]:
-        return state["best"]  # type: ignore[return-value]
-
-    for _ in range(4):
-        before = _size(best())
-        _delete_steps(best, attempt)
-        _smaller_windows(best, attempt)
-        _narrower_tokens(best, attempt)
-        _simpler_values(best, attempt)
-        if _size(best()) >= before or state["budget"] <= 0:  # type: ignore[operator]
-            break
-    return _renumber([_copy(step) for step in best()])
 
 
 _Attempt = Callable[[list[Step]], bool]

@@ -97,7 +97,7 @@ class _Failure:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """The state of one example: the caches under test, each beside its oracle, and the steps so far.
+    """One example's state: the caches under test, each beside its oracle, and the steps so far.
 
     Subclasses come from :func:`make_cache_machine`, which adds the rules and
     sets the class attributes below; this class holds what they share.
@@ -442,7 +442,9 @@ def _run_settings(
     return settings
 
 
-def _shrink(machine: type[CacheMachine], steps: list[Step]) -> tuple[list[Step], ContractError | None]:
+def _shrink(
+    machine: type[CacheMachine], steps: list[Step]
+) -> tuple[list[Step], ContractError | None]:
     """Replay the failing run on its own; if it fails again, shrink it by whole steps.
 
     Returns:
@@ -586,7 +588,7 @@ def check_cache(
     settings: hypothesis.settings | None = None,
     **options: Any,
 ) -> Verdict:
-    """Build the machine for ``factory`` and run it: :func:`make_cache_machine` + :func:`run_cache_machine`.
+    """Build the machine for ``factory`` and run it: make_cache_machine, then run_cache_machine.
 
     Args:
         factory: see :func:`make_cache_machine`.
