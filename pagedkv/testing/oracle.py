@@ -60,13 +60,21 @@ def _attend_head(
     for weight, value in zip(weights, values):
         for i, x in enumerate(value):
             out[i] += weight * x
-    return out, max(abs(s) for s in scores)
+    # NOTE: the score's magnitude *without cancellation*, |scale| * sum |q_i k_i|:
+    # a dot product's rounding error scales with it, not with |q . k| (q = [1e3,
+    # 1e3] and k = [1e3, -1e3] score 0 but carry an error near eps * 2e6).
+    peak = max(abs(scale) * sum(abs(x * y) for x, y in zip(query, key)) for key in keys)
+    return out, peak
 
 
 def attend(
     query: Token, keys: Sequence[Token], values: Sequence[Token], scale: float = 1.0
 ) -> tuple[Token, float]:
-    """Attention of ``query`` over exactly ``keys``/``values``; also the largest |score|.
+    """Attention of ``query`` over exactly ``keys``/``values``; also the score magnitude.
+
+    The second result is ``max_j |scale| * sum_i |q_i * k_ji|``: the largest
+    score computed without cancellation (equal to ``max |score|`` when no
+    products cancel), which is what :func:`tolerance` needs.
 
     Shapes: a query ``[d]`` with keys ``[d]``; or a query ``[[d] * Hq]`` with
     keys ``[[d] * Hkv]``, query head ``h`` reading key/value head
@@ -96,10 +104,17 @@ def attend(
 def tolerance(max_abs_score: float, eps: float = FLOAT64_EPS) -> float:
     """How far a float kernel may stray from the oracle, relative to ``max(1, |expected|)``.
 
-    ``1e-13 + 16 * eps * (1 + max |score|)`` for float64: softmax's exp turns
-    an absolute rounding error ``e`` in a score into a relative error ``e`` in
-    its weight, and a score's rounding error grows with its size. For float32
-    the same form with float32's epsilon and an absolute floor of ``1e-6``.
+    ``1e-13 + 16 * eps * (1 + S)`` for float64, where ``S`` is the score
+    magnitude :func:`attend` returns: softmax's exp turns an absolute rounding
+    error ``e`` in a score into a relative error ``e`` in its weight, and a
+    score's rounding error grows with ``S``. For float32 the same form with
+    float32's epsilon and an absolute floor of ``1e-6``.
+
+    NOTE: the issue first stated this with ``S = max |score|``; a correct
+    kernel breaks that bound when a dot product cancels (the score is small,
+    its rounding error is not), so ``S`` is the score without cancellation.
+    The bound assumes the values themselves do not cancel in the weighted
+    sum; :func:`pagedkv.testing.error_bounds` drops that assumption too.
 
     >>> tolerance(0.0) > 0
     True
