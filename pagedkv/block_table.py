@@ -288,6 +288,39 @@ class BlockTable:
         self._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
         return old
 
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Forget the tokens from ``num_tokens`` on; return blocks now unused, newest first.
+
+        Only held tokens can be taken back: none of ``num_tokens .. end`` may
+        have been evicted.
+
+        >>> table = BlockTable(block_size=2)
+        >>> table.append(5, [4, 5, 6])
+        >>> table.truncate(2), table.block_ids
+        ([6, 5], [4])
+        """
+        evicted_lo = max(num_tokens, self.num_sink_tokens)
+        evicted_hi = min(self.num_tokens, self.window_start)
+        if not 0 <= num_tokens <= self.num_tokens or evicted_lo < evicted_hi:
+            raise ValueError(
+                f"cannot truncate {self.num_tokens} tokens to {num_tokens}: "
+                f"tokens {evicted_lo}..{evicted_hi - 1} are already evicted"
+            )
+        bs = self.block_size
+        self.num_tokens = num_tokens
+        released = []
+        needed = _ceil_div(num_tokens, bs)
+        while self._ids and self._first_block + len(self._ids) > needed:
+            block_id = self._ids.pop()
+            if self._ids and self._ids[-1] + 1 != block_id:
+                self._num_breaks -= 1
+            released.append(block_id)
+        while len(self._sink_ids) > min(self.num_sink_blocks, needed):
+            released.append(self._sink_ids.pop())
+        if not self._ids:
+            self._first_block = max(self.num_sink_blocks, min(self._first_block, needed))
+        return released
+
     def clear(self) -> list[int]:
         """Drop every block and token; return the ids, newest first (tail first)."""
         released = list(self._ids)[::-1] + self._sink_ids[::-1]

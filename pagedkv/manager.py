@@ -510,6 +510,32 @@ class KVCacheManager:
         self._seqs[child] = twin
         self._counters["forks"] += 1
 
+    def cancel_reservation(self, seq_id: Hashable) -> None:
+        """Take back ``seq_id``'s reserved tokens that some layer has not written.
+
+        The sequence returns to the tokens every layer has written (its last
+        batch becomes stale); blocks that then hold nothing go back to the
+        pool. Use it when a step is abandoned half-way, for instance after
+        another sequence of the same batch was freed or preempted.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            SequenceStateError: it is not running.
+        """
+        seq = self._get(seq_id)
+        if seq.state is not SequenceState.RUNNING:
+            raise SequenceStateError(f"sequence {seq_id!r} is {seq.state.value}, not running")
+        keep = min(seq.num_written)
+        if keep == seq.table.num_tokens:
+            return
+        released = seq.table.truncate(keep)
+        if released:
+            self.pool.allocator.free(released)
+        seq.num_written = [keep] * self.pool.num_layers
+        if seq.token_ids is not None:
+            del seq.token_ids[keep:]
+        seq.reservation_id = 0
+
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
 
@@ -748,7 +774,8 @@ class KVCacheManager:
             if seq is None or seq.reservation_id != stamp or seq.state is not SequenceState.RUNNING:
                 raise SequenceStateError(
                     f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
-                    "freed, preempted or reserved again); reserve again"
+                    "freed, preempted or reserved again); reserve again (cancel_reservation() "
+                    "takes back the other sequences' unwritten tokens)"
                 )
             seqs.append(seq)
         return seqs

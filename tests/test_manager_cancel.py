@@ -1,0 +1,74 @@
+"""cancel_reservation: taking back a half-written step (design note from the manager tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv import KVCacheManager, KVPool, SequenceStateError, UnknownSequenceError
+from pagedkv.reference import attend_window
+
+
+def _manager(max_size: int | None = None, num_sink_tokens: int = 0) -> KVCacheManager:
+    pool = KVPool(16, block_size=2, head_dim=1, num_layers=2)
+    return KVCacheManager(pool, max_size=max_size, num_sink_tokens=num_sink_tokens)
+
+
+def _write_all(m: KVCacheManager, batch: object, value: float) -> None:
+    n = batch.num_tokens  # type: ignore[attr-defined]
+    for layer in range(2):
+        m.write(layer, batch, np.full((n, 1, 1), value), np.full((n, 1, 1), value))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("max_size", "sinks"), [(None, 0), (3, 0), (3, 1), (1, 0)])
+def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(max_size: int | None, sinks: int) -> None:
+    # block_size 2. Step 1 writes a: [0 1 | 2 .], b: [0 1]. Step 2 reserves a's
+    # tokens 3, 4, 5 (blocks [2 3 | 4 5]) and b's token 2; layer 0 is written,
+    # then b is freed: a cannot finish step 2 with the stale batch.
+    m = _manager(max_size, sinks)
+    m.add_sequence("a")
+    m.add_sequence("b")
+    _write_all(m, m.reserve({"a": 3, "b": 2}), 1.0)
+    free_after_step_1 = m.pool.num_free_blocks + 1  # b's block comes back too
+    batch = m.reserve({"a": 3, "b": 1})
+    m.write(0, batch, np.ones((4, 1, 1)), np.ones((4, 1, 1)))
+    m.free("b")
+    with pytest.raises(SequenceStateError, match="cancel_reservation"):
+        m.write(1, batch, np.ones((4, 1, 1)), np.ones((4, 1, 1)))
+    m.cancel_reservation("a")
+    m.check_invariants()
+    assert m.num_tokens("a") == 3
+    assert m.pool.num_free_blocks >= free_after_step_1 - 1
+    # a continues as if step 2 never happened: the next token attends to a's window.
+    step = m.reserve({"a": 1})
+    _write_all(m, step, 2.0)
+    out = m.attend(1, step, np.ones((1, 1, 1)))
+    history = [1.0, 1.0, 1.0, 2.0]
+    visible = history if max_size is None else history[:sinks] + history[max(sinks, 4 - max_size) :]
+    expected = attend_window([[1.0]], [[[x]] for x in visible], [[[x]] for x in visible])
+    assert np.array_equal(out[0], expected)
+    m.free("a")
+    assert m.pool.num_free_blocks == 16
+
+
+def test_cancel_without_unwritten_tokens_changes_nothing() -> None:
+    m = _manager()
+    m.add_sequence("a")
+    _write_all(m, m.reserve({"a": 3}), 1.0)
+    before = (m.block_table("a").block_ids, m.num_tokens("a"), m.pool.num_free_blocks)
+    m.cancel_reservation("a")
+    assert (m.block_table("a").block_ids, m.num_tokens("a"), m.pool.num_free_blocks) == before
+
+
+def test_cancel_refuses_unknown_and_preempted_sequences_and_changes_nothing() -> None:
+    m = _manager()
+    m.add_sequence("a")
+    _write_all(m, m.reserve({"a": 3}), 1.0)
+    m.preempt("a")
+    free = m.pool.num_free_blocks
+    with pytest.raises(UnknownSequenceError, match="'zz'"):
+        m.cancel_reservation("zz")
+    with pytest.raises(SequenceStateError, match="preempted"):
+        m.cancel_reservation("a")
+    assert m.pool.num_free_blocks == free
+    m.check_invariants()
