@@ -21,7 +21,9 @@ def _write_all(m: KVCacheManager, batch: object, value: float) -> None:
 
 
 @pytest.mark.parametrize(("max_size", "sinks"), [(None, 0), (3, 0), (3, 1), (1, 0)])
-def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(max_size: int | None, sinks: int) -> None:
+def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(
+    max_size: int | None, sinks: int
+) -> None:
     # block_size 2. Step 1 writes a: [0 1 | 2 .], b: [0 1]. Step 2 reserves a's
     # tokens 3, 4, 5 (blocks [2 3 | 4 5]) and b's token 2; layer 0 is written,
     # then b is freed: a cannot finish step 2 with the stale batch.
