@@ -24,6 +24,7 @@ from pagedkv.block_table import BlockTable
 from pagedkv.errors import (
     ClosedCacheError,
     ConfigError,
+    InputTypeError,
     NonFiniteError,
     PoolExhaustedError,
     ShapeError,
@@ -95,7 +96,7 @@ class KVCache:
     ) -> None:
         self._max_size = check_max_size(max_size)
         if pool is not None and not isinstance(pool, KVPool):
-            raise ConfigError(f"pool must be a KVPool or None, got {type(pool).__name__}")
+            raise InputTypeError(f"pool must be a KVPool or None, got {type(pool).__name__}")
         if pool is not None and pool.num_layers != 1:
             raise ConfigError(
                 f"a KVCache stores one layer but the pool has num_layers={pool.num_layers}; "

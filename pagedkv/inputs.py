@@ -52,6 +52,8 @@ def as_vectors(
             f"{name} must be a list or numpy array of real numbers, got {type(value).__name__}"
         )
     kind = array.dtype.kind
+    if kind == "O" and all(isinstance(x, int) and not isinstance(x, bool) for x in array.flat):
+        raise NonFiniteError(f"{name} holds an int too large for any float dtype; every value must be finite")
     if kind not in "fiu":
         what = {"b": "bools", "c": "complex numbers", "U": "strings", "S": "bytes", "O": "objects"}
         raise InputTypeError(

@@ -369,7 +369,13 @@ class KVPool:
                 theirs[layer][:, destinations] = scales[:, sources]
 
     def grow(self, num_new_blocks: int) -> None:
-        """Add ``num_new_blocks`` blocks (ids after the existing ones stay valid)."""
+        """Add ``num_new_blocks`` blocks (ids after the existing ones stay valid).
+
+        Raises:
+            ConfigError: the pool is fixed (``growable=False``).
+        """
+        if not self.growable:
+            raise ConfigError(f"this pool has a fixed size of {self.num_blocks} blocks; it never grows")
         old = self.num_blocks
         self.allocator.grow(num_new_blocks)
         shape = (self.num_kv_heads, old + num_new_blocks, self.block_size, self.head_dim)

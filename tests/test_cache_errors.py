@@ -332,7 +332,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], type[PagedKVError], type, str]] = [
     ("scale string", {"scale": "1"}, InputTypeError, TypeError, "scale must be a real number, got '1'"),
     ("scale bool", {"scale": True}, InputTypeError, TypeError, "got True"),
     ("scale complex", {"scale": 1j}, InputTypeError, TypeError, "got 1j"),
-    ("pool not a pool", {"pool": "pool"}, ConfigError, ValueError, "pool must be a KVPool or None, got str"),
+    ("pool not a pool", {"pool": "pool"}, InputTypeError, TypeError, "pool must be a KVPool or None, got str"),
 ]
 
 
@@ -401,3 +401,18 @@ def test_every_error_is_a_pagedkv_error_and_a_builtin(name: str) -> None:
     # An error added later (and not yet in the table) must still fit a builtin.
     assert issubclass(cls, BUILTINS.get(name, _BUILTIN_BASES)) or cls is PagedKVError
     assert getattr(pagedkv, name) is cls
+
+
+@pytest.mark.parametrize("field", ["q", "k", "v"])
+def test_values_too_large_for_any_sum_are_refused_and_nothing_changes(field: str) -> None:
+    # Every input must stay below finfo.max / 16 so no softmax-weighted sum (nor a
+    # partial sum inside a matmul) can overflow; a Python int past float range too.
+    for huge in (1e308, 10**400):
+        cache = KVCache(max_size=2, block_size=2)
+        cache.attend([1.0], [1.0], [1.0])
+        args = {"q": [1.0], "k": [1.0], "v": [1.0]}
+        args[field] = [huge]
+        with pytest.raises(NonFiniteError, match=field):
+            cache.attend(args["q"], args["k"], args["v"])
+        assert len(cache) == 1 and cache.num_tokens == 1
+        assert cache.attend([1.0], [1.0], [3.0]) == [2.0]

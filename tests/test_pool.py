@@ -186,3 +186,10 @@ def test_bad_pool_config_raises(
     with pytest.raises(error, match=fragment) as info:
         KVPool(**arguments)
     assert isinstance(info.value, builtin)
+
+
+def test_a_fixed_pool_refuses_to_grow_and_changes_nothing() -> None:
+    pool = KVPool(2, block_size=2, head_dim=1)
+    with pytest.raises(ConfigError, match="fixed size of 2 blocks"):
+        pool.grow(2)
+    assert pool.num_blocks == 2 and pool.num_free_blocks == 2 and pool.keys(0).shape == (1, 2, 2, 1)

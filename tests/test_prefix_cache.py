@@ -169,7 +169,8 @@ def test_extra_keys_are_tagged_by_kind_and_by_type() -> None:
     assert encode_extra_keys({"salt": "a"}) != encode_extra_keys({"salt": b"a"})
     assert encode_extra_keys({"salt": ""}) != b""
     # Order of the mapping does not matter.
-    assert encode_extra_keys({"salt": "s", "adapter": "x"}) == encode_extra_keys({"adapter": "x", "salt": "s"})
+    both = encode_extra_keys({"salt": "s", "adapter": "x"})
+    assert both == encode_extra_keys({"adapter": "x", "salt": "s"})
 
 
 extra_value = st.one_of(st.text(max_size=3), st.binary(max_size=3), st.integers(-3, 300))
@@ -336,7 +337,8 @@ def test_keys_are_registered_only_when_a_block_is_full_and_written_in_every_laye
     runner.manager.write(1, batch, kv, kv)
     # every layer written: block 0 (full) gets its key, block 1 (partial) none
     assert runner.manager.metrics().num_cached_blocks == 1
-    assert prefix_of(runner.manager).block_for(key_chain([1, 2])[0]) == runner.manager.block_table("a").block_ids[0]
+    first_block = runner.manager.block_table("a").block_ids[0]
+    assert prefix_of(runner.manager).block_for(key_chain([1, 2])[0]) == first_block
     runner.manager.check_invariants()
 
 
@@ -631,9 +633,9 @@ def test_a_cached_admission_equals_from_scratch_bit_for_bit_at_every_step(
     history_cached, history_scratch = list(prompt[:num_hit]), []
     if num_hit:
         step(scratch, "s", history_scratch, list(prompt[:num_hit]))
-    outputs = [(step(cached, "s", history_cached, prompt[num_hit:]), step(scratch, "s", history_scratch, prompt[num_hit:]))]
-    for token in decode:
-        outputs.append((step(cached, "s", history_cached, [token]), step(scratch, "s", history_scratch, [token])))
+    outputs = []
+    for chunk in [prompt[num_hit:]] + [[token] for token in decode]:
+        outputs.append((step(cached, "s", history_cached, chunk), step(scratch, "s", history_scratch, chunk)))
     cached.check_invariants()
     for got, expected in outputs:
         for a, b in zip(got, expected):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Mapping
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -84,7 +84,7 @@ EXTRA_KEYS: tuple[Mapping[str, str] | None, ...] = (None, {"salt": "tenant-b"})
 SHA256 = hash_function("sha256")
 
 
-@lru_cache(maxsize=None)
+@cache
 def qkv(prefix: tuple[int, ...], layer: int) -> np.ndarray:
     """``(3, NUM_KV_HEADS, HEAD_DIM)`` q, k, v of the last token of ``prefix`` in ``layer``.
 
