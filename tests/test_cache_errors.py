@@ -332,7 +332,8 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], type[PagedKVError], type, str]] = [
     ("scale string", {"scale": "1"}, InputTypeError, TypeError, "scale must be a real number, got '1'"),
     ("scale bool", {"scale": True}, InputTypeError, TypeError, "got True"),
     ("scale complex", {"scale": 1j}, InputTypeError, TypeError, "got 1j"),
-    ("pool not a pool", {"pool": "pool"}, InputTypeError, TypeError, "pool must be a KVPool or None, got str"),
+    ("pool not a pool", {"pool": "pool"}, InputTypeError, TypeError,
+     "pool must be a KVPool or None, got str"),
 ]
 
 
