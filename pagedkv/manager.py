@@ -901,7 +901,9 @@ class KVCacheManager:
             self._host().allocator.free(released)
 
 
-Requests = Mapping[Hashable, "int | Sequence[int]"] | Iterable[tuple[Hashable, "int | Sequence[int]"]]
+# NOTE: Mapping is invariant in its key type, so Mapping[Hashable, ...] would refuse a
+# dict[str, int]; Any keys (validated as hashable at run time) accept every dict.
+Requests = Mapping[Any, "int | Sequence[int]"] | Iterable[tuple[Hashable, "int | Sequence[int]"]]
 
 
 def _as_pairs(requests: Requests) -> list[tuple[Hashable, int, list[int] | None]]:
