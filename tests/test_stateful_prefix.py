@@ -315,9 +315,10 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         extra_keys = data.draw(st.sampled_from(EXTRA_KEYS))
         first, second = self.new_id(), self.new_id()
         manager = self.manager
+        expected = self.expected_hit(prompt, extra_keys)
         hits = [manager.add_sequence(s, prompt, extra_keys=extra_keys) for s in (first, second)]
         note(f"add {first}, {second} {prompt} {extra_keys} in one step -> {hits} cached")
-        assert hits[0] == hits[1]
+        assert hits == [expected, expected] and expected < len(prompt)
         for seq_id in (first, second):
             self.tokens[seq_id] = list(prompt[: hits[0]])
             self.extras[seq_id] = extra_keys
@@ -348,6 +349,33 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             return
         note(f"decode {seq_id} {token}")
         self.try_prefill(seq_id, [token], 0)
+
+    @rule(seq_id=seqs, data=st.data())
+    def abandon_half_written_step(self, seq_id: Hashable, data: st.DataObject) -> None:
+        """Reserve, write all layers but the last, cancel: nothing of the step may be keyed."""
+        manager = self.manager
+        if manager.state(seq_id) is not SequenceState.RUNNING:
+            return
+        new = data.draw(st.lists(st.sampled_from(self.alphabet), min_size=1, max_size=self.block_size + 1))
+        request = {seq_id: new}
+        if not manager.can_reserve(request):
+            return
+        note(f"reserve {new} for {seq_id}, write {manager.pool.num_layers - 1} layers, cancel")
+        history = self.tokens[seq_id]
+        batch = manager.reserve(request)
+        full = history + new
+        for layer in range(manager.pool.num_layers - 1):
+            rows = np.array([qkv(tuple(full[: p + 1]), layer) for p in range(len(history), len(full))])
+            manager.write(layer, batch, rows[:, 1], rows[:, 2])
+        prefix = prefix_of(manager)
+        old = keys_for(history, self.block_size, self.extras[seq_id])
+        for key in keys_for(full, self.block_size, self.extras[seq_id])[len(old) :]:
+            owner = prefix.block_for(key)
+            assert owner is None or owner not in manager.block_table(seq_id).block_ids, (
+                "a block not written in every layer got a key"
+            )
+        manager.cancel_reservation(seq_id)
+        assert manager.num_tokens(seq_id) == len(history)
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent: Hashable) -> Any:
@@ -545,10 +573,10 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
 
 TestPrefixCaching = PrefixCachingMachine.TestCase
-# Four times the loaded profile's examples: the machine is cheap (about 1 ms a step) and
+# Six times the loaded profile's examples: the machine is cheap (about 1 ms a step) and
 # collisions, evictions and reuse after preemption need many runs to meet.
 TestPrefixCaching.settings = settings(
-    settings.default, max_examples=4 * (settings.default.max_examples or 25)
+    settings.default, max_examples=6 * (settings.default.max_examples or 25)
 )
 
 
