@@ -82,25 +82,44 @@ def attend_sequence(
     Returns:
         A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
     """
-    if pool.quantized:
-        return _attend_sequence_quantized(pool, layer, table, window, queries, scale)
     last = table.num_tokens - 1
     held = table.live_ranges()
+    # A quantized pool gathers codes and scales and runs the chunked kernels;
+    # everything else (which tokens, which mask) is the same.
+    quantized = pool.quantized
     if len(queries) == 1:
         visible = visible_ranges(table.num_sink_tokens, window, last)
-        if visible == held:
-            keys, values = pool.gather(layer, table)
-        else:
-            keys, values = pool.gather_slots(layer, range_slots(table, visible))
+        slots = None if visible == held else range_slots(table, visible)
+        if quantized:
+            codes = (
+                pool.gather_quantized(layer, table)
+                if slots is None
+                else pool.gather_slots_quantized(layer, slots)
+            )
+            return attend_chunked(queries[0], codes[0], codes[1], scale, pool.dtype)[None]
+        keys, values = pool.gather(layer, table) if slots is None else pool.gather_slots(layer, slots)
         return attend_dense(queries[0], keys, values, scale)[None]
+    mask = _prefill_mask(table, held, window, len(queries))
+    if quantized:
+        key_codes, value_codes = pool.gather_quantized(layer, table)
+        return attend_chunked_masked(queries, key_codes, value_codes, mask, scale, pool.dtype)
     keys, values = pool.gather(layer, table)
+    return attend_dense_masked(queries, keys, values, mask, scale)
+
+
+def _prefill_mask(
+    table: BlockTable, held: list[tuple[int, int]], window: int | None, num_queries: int
+) -> npt.NDArray[np.bool_]:
+    """``(num_queries, num_held)``: which held token each of the newest queries sees."""
+    last = table.num_tokens - 1
     positions = np.concatenate([np.arange(start, end) for start, end in held])
-    query_positions = np.arange(last + 1 - len(queries), last + 1)
+    query_positions = np.arange(last + 1 - num_queries, last + 1)
     mask = positions[None, :] <= query_positions[:, None]
     if window is not None:
         in_window = positions[None, :] > query_positions[:, None] - window
         mask &= in_window | (positions[None, :] < table.num_sink_tokens)
-    return attend_dense_masked(queries, keys, values, mask, scale)
+    result: npt.NDArray[np.bool_] = mask
+    return result
 
 
 def attend_decode_padded(
@@ -144,31 +163,3 @@ def attend_decode_padded(
     keys, values = pool.gather_slots(layer, padded.ravel())
     shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
     return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)
-
-
-def _attend_sequence_quantized(
-    pool: KVPool,
-    layer: int,
-    table: BlockTable,
-    window: int | None,
-    queries: npt.NDArray[Any],
-    scale: float,
-) -> npt.NDArray[Any]:
-    """``attend_sequence`` on a quantized pool: the chunked kernels, on codes as stored."""
-    last = table.num_tokens - 1
-    held = table.live_ranges()
-    if len(queries) == 1:
-        visible = visible_ranges(table.num_sink_tokens, window, last)
-        if visible == held:
-            keys, values = pool.gather_quantized(layer, table)
-        else:
-            keys, values = pool.gather_slots_quantized(layer, range_slots(table, visible))
-        return attend_chunked(queries[0], keys, values, scale, pool.dtype)[None]
-    keys, values = pool.gather_quantized(layer, table)
-    positions = np.concatenate([np.arange(start, end) for start, end in held])
-    query_positions = np.arange(last + 1 - len(queries), last + 1)
-    mask = positions[None, :] <= query_positions[:, None]
-    if window is not None:
-        in_window = positions[None, :] > query_positions[:, None] - window
-        mask &= in_window | (positions[None, :] < table.num_sink_tokens)
-    return attend_chunked_masked(queries, keys, values, mask, scale, pool.dtype)
