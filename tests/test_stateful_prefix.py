@@ -5,8 +5,12 @@ tokens, so prefixes collide all the time, and the pool is tiny (3 to 10
 blocks), so cached free blocks are evicted in almost every example. Rules:
 add with lookup (then prefill the rest in one or two chunks), add two
 identical prompts in one step, decode, fork, free, preempt (recompute and
-swap), resume, reset, and misuse (a rule on a sequence in the wrong state).
-Two extra-key sets take turns: no salt, and ``{"salt": "tenant-b"}``.
+swap), resume, preempt-then-resume, a half-written step abandoned with
+``cancel_reservation``, reset, and misuse (a rule on a sequence in the wrong
+state, a second free, a reset while blocks are in use: each refused with
+nothing changed). Two extra-key sets take turns: no salt, and
+``{"salt": "tenant-b"}``. Windows (1 to 6, or none) and sinks (0 to 5) are
+drawn once per run.
 
 The model of the network (the assumption every output check rests on)::
 
@@ -17,8 +21,9 @@ and every id before it), as in a real transformer. Two sequences therefore
 hold equal k/v in a block exactly when their prefixes through that block are
 equal, which is what the chained block key promises; a key that forgot its
 parent would share a block whose k/v a from-scratch run would not compute,
-and the oracle check below would see it (``test_machine_catches_unchained_keys``
-plants that bug).
+and the output and content checks below see it, apart from the checks that
+recompute keys (``test_machine_catches_unchained_keys`` plants that bug). With
+k/v a function of ``(token id, position)`` alone, the output checks would not.
 
 After every step:
 
