@@ -105,7 +105,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     Raises:
         InputTypeError: an id is not an int (bools included) or is negative or too large.
     """
-    if any(isinstance(t, bool) for t in token_ids):
+    if bool in set(map(type, token_ids)):  # one C-level pass; bools are ints to array()
         raise InputTypeError("token ids must be ints, got a bool")
     try:
         packed = array("q", token_ids)
@@ -217,6 +217,9 @@ class PrefixCache:
                 raise AssertionError(f"block {block_id} is mapped by a key it does not hold")
             if not allocator.is_cached(block_id):
                 raise AssertionError(f"keyed block {block_id} is not marked cached")
+        for block_id in range(allocator.num_blocks):
+            if allocator.is_cached(block_id) and block_id not in self._key_of:
+                raise AssertionError(f"block {block_id} is marked cached but has no key")
         cached_free = set(allocator.cached_free_block_ids())
         for block_id in cached_free:
             if block_id not in self._key_of:
