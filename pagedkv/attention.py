@@ -23,7 +23,7 @@ import numpy.typing as npt
 #: recompute always run the same arithmetic and stay equal bit for bit.
 EINSUM_MIN_BYTES = 1 << 22
 
-__all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_padded"]
+__all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_padded", "softmax_rows"]
 
 #: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
 #:
@@ -37,6 +37,38 @@ __all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_pa
 #: dtype, so the paged path and the no-cache recompute always run the same
 #: arithmetic and stay equal bit for bit.
 EINSUM_MIN_BYTES = 1 << 23
+
+
+def softmax_rows(
+    scores: npt.NDArray[np.floating],
+    scale: float = 1.0,
+    visible: npt.NDArray[np.bool_] | None = None,
+) -> npt.NDArray[np.floating]:
+    """Softmax along the last axis of ``scale * scores``, in place where it can be.
+
+    Every kernel ends its scores here, so they all round the same way: scale,
+    mask (hidden scores become -inf, weight exactly 0), subtract the row
+    maximum (so exp() stays finite for scores of any size), exp, normalize.
+
+    Args:
+        scores: raw scores; overwritten unless ``visible`` is given.
+        scale: multiplies every score first.
+        visible: booleans broadcastable to ``scores``; False hides a score.
+
+    Returns:
+        The weights (``scores`` itself when no mask was given).
+
+    >>> softmax_rows(np.array([[0.0, 0.0]])).tolist()
+    [[0.5, 0.5]]
+    """
+    if scale != 1.0:
+        scores *= scale
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
 
 
 def attend_dense(
@@ -71,12 +103,7 @@ def attend_dense(
         scores = np.einsum("hgd,hnd->hgn", grouped, keys)  # (num_kv_heads, group, num_tokens)
     else:
         scores = np.matmul(grouped, keys.transpose(0, 2, 1))
-    if scale != 1.0:
-        scores *= scale
-    # Subtracting the row maximum keeps exp() finite for scores of any size.
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = softmax_rows(scores, scale)
     # (num_kv_heads, group, head_dim)
     out = np.einsum("hgn,hnd->hgd", scores, values) if large else np.matmul(scores, values)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
@@ -118,12 +145,7 @@ def attend_dense_masked(
     grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
     scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (num_kv_heads, num_queries * group, num_tokens)
     scores = scores.reshape(num_kv_heads, num_queries, group, num_tokens)
-    if scale != 1.0:
-        scores *= scale
-    scores = np.where(visible[None, :, None, :], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = softmax_rows(scores, scale, visible[None, :, None, :])
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
     out = np.matmul(weights, values)  # (num_kv_heads, num_queries * group, head_dim)
     out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
@@ -160,13 +182,8 @@ def attend_padded(
     # (num_kv_heads, num_seqs, group, head_dim)
     grouped = queries.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     scores = np.matmul(grouped, keys.transpose(0, 1, 3, 2))  # (num_kv_heads, num_seqs, group, max_len)
-    if scale != 1.0:
-        scores *= scale
     real = np.arange(max_len)[None, :] < lengths[:, None]  # (num_seqs, max_len)
-    scores = np.where(real[None, :, None, :], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = softmax_rows(scores, scale, real[None, :, None, :])
     out = np.matmul(scores, values)  # (num_kv_heads, num_seqs, group, head_dim)
     result: npt.NDArray[np.floating] = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_q_heads, head_dim)
     return result

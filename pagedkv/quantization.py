@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.attention import softmax_rows
 from pagedkv.errors import ConfigError, InputTypeError
 
 __all__ = [
@@ -411,11 +412,7 @@ def attend_chunked(
     num_kv_heads, _, head_dim = keys.shape
     grouped = query.reshape(num_kv_heads, -1, head_dim)
     scores = _scores(grouped, keys, dtype)  # (num_kv_heads, group, num_tokens)
-    if scale != 1.0:
-        scores *= scale
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = softmax_rows(scores, scale)
     out = _weighted_values(scores, values, dtype)  # (num_kv_heads, group, head_dim)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result
@@ -450,12 +447,7 @@ def attend_chunked_masked(
     grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
-    if scale != 1.0:
-        scores *= scale
-    scores = np.where(visible[None, :, None, :], scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = softmax_rows(scores, scale, visible[None, :, None, :])
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
     out = _weighted_values(weights, values, dtype)
     out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
