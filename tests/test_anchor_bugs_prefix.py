@@ -9,96 +9,11 @@ says otherwise; states are drawn as in ``tests/test_prefix_cache.py``::
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 import pytest
+from prefix_support import Runner, from_scratch, key_chain, make, prefix_of
 
-from pagedkv import KVCacheManager, KVPool, SequenceState, SequenceStateError
-from pagedkv.prefix_cache import (
-    ROOT_KEY,
-    PrefixCache,
-    block_keys,
-    encode_extra_keys,
-    hash_function,
-    token_bytes,
-)
-
-
-def kv_of(prefix: tuple[int, ...], layer: int) -> np.ndarray:
-    """``(3, 1, 2)`` q, k, v of the last token of ``prefix``: a function of the whole prefix."""
-    digest = hashlib.blake2b(repr((prefix, layer)).encode(), digest_size=6).digest()
-    return ((np.frombuffer(digest, np.uint8).astype(np.float64) - 128.0) / 64.0).reshape(3, 1, 2)
-
-
-def make(num_blocks: int = 8, block_size: int = 2, host: bool = False, **kwargs: Any) -> KVCacheManager:
-    shape = {"block_size": block_size, "head_dim": 2}
-    return KVCacheManager(
-        KVPool(num_blocks, **shape),
-        host_pool=KVPool(num_blocks, **shape) if host else None,
-        enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
-        **kwargs,
-    )
-
-
-class Runner:
-    """Feeds sequences through a manager, k/v from ``kv_of`` their own history."""
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-        self.history: dict[str, list[int]] = {}
-
-    def add(self, seq_id: str, prompt: list[int], extra_keys: Mapping[str, Any] | None = None) -> int:
-        num_hit = self.manager.add_sequence(seq_id, prompt, extra_keys=extra_keys)
-        self.history[seq_id] = list(prompt[:num_hit])
-        return num_hit
-
-    def feed(self, chunks: dict[str, list[int]]) -> list[np.ndarray]:
-        manager = self.manager
-        batch = manager.reserve(chunks)
-        positions = []
-        for seq_id, tokens in chunks.items():
-            start = len(self.history[seq_id])
-            self.history[seq_id].extend(tokens)
-            positions += [(seq_id, start + i) for i in range(len(tokens))]
-        outs = []
-        for layer in range(manager.pool.num_layers):
-            rows = np.array([kv_of(tuple(self.history[s][: p + 1]), layer) for s, p in positions])
-            manager.write(layer, batch, rows[:, 1], rows[:, 2])
-            outs.append(manager.attend(layer, batch, rows[:, 0]))
-        manager.check_invariants()
-        return outs
-
-    def admit(self, seq_id: str, prompt: list[int], extra_keys: Mapping[str, Any] | None = None) -> int:
-        num_hit = self.add(seq_id, prompt, extra_keys)
-        self.feed({seq_id: prompt[num_hit:]})
-        return num_hit
-
-
-def prefix_of(manager: KVCacheManager) -> PrefixCache:
-    prefix = manager._prefix
-    assert prefix is not None
-    return prefix
-
-
-def key_chain(tokens: list[int], extra_keys: Any = None, block_size: int = 2) -> list[bytes]:
-    return block_keys(
-        ROOT_KEY, token_bytes(tokens), block_size, encode_extra_keys(extra_keys), hash_function("sha256")
-    )
-
-
-def from_scratch(prompt: list[int], chunks: list[int], **kwargs: Any) -> list[np.ndarray]:
-    """Outputs of the last chunk of ``prompt`` fed in ``chunks`` on a manager without caching."""
-    runner = Runner(make(num_blocks=16, enable_prefix_caching=False, **kwargs))
-    runner.add("s", [])
-    start, outs = 0, []
-    for size in chunks:
-        outs = runner.feed({"s": prompt[start : start + size]})
-        start += size
-    return outs
-
+from pagedkv import SequenceState, SequenceStateError
 
 # ---------------------------------------------------- stale key on a reused block
 
@@ -257,7 +172,7 @@ def test_salts_vllm_44701_an_adapter_named_like_a_salt_does_not_collide() -> Non
     runner.admit("tenant", prompt, extra_keys={"salt": "x"})
     assert runner.add("adapter", prompt, extra_keys={"adapter": "x"}) == 0
     assert runner.add("other-type", prompt, extra_keys={"salt": b"x"}) == 0
-    assert key_chain(prompt, {"salt": "x"}) != key_chain(prompt, {"adapter": "x"})
+    assert key_chain(prompt, extra_keys={"salt": "x"}) != key_chain(prompt, extra_keys={"adapter": "x"})
     assert runner.add("same", prompt, extra_keys={"salt": "x"}) == 4
 
 
@@ -390,7 +305,7 @@ def test_predictable_hashes_ghsa_rm76_4mrf_v9r8_default_keys_are_sha256_not_pyth
     # GHSA-rm76-4mrf-v9r8 / vLLM #11829: Python's hash() of a tuple is predictable (and None hashed
     # to a constant), so a crafted prompt could collide with another tenant's block. The default
     # key is SHA-256 of an unambiguous byte encoding, the same in every process.
-    keys = key_chain([1, 2], {"salt": "s"})
+    keys = key_chain([1, 2], extra_keys={"salt": "s"})
     assert len(keys[0]) == 32
-    assert keys == key_chain([1, 2], {"salt": "s"})
+    assert keys == key_chain([1, 2], extra_keys={"salt": "s"})
     assert keys[0] != key_chain([1, 2])[0]

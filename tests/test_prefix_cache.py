@@ -16,89 +16,22 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from prefix_support import SHA256, Runner, key_chain, kv_of, make, prefix_of
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
-    block_keys,
     encode_extra_keys,
     hash_function,
-    token_bytes,
 )
-
-SHA256 = hash_function("sha256")
-
-
-def kv_of(prefix: tuple[int, ...], layer: int, num_kv_heads: int = 1, head_dim: int = 2) -> np.ndarray:
-    """``(3, num_kv_heads, head_dim)`` q, k, v of the last token of ``prefix``: a function of
-    the whole prefix, as in a real model (see ``tests/test_stateful_prefix.py``)."""
-    size = 3 * num_kv_heads * head_dim
-    digest = hashlib.blake2b(repr((prefix, layer)).encode(), digest_size=size).digest()
-    return ((np.frombuffer(digest, np.uint8).astype(np.float64) - 128.0) / 64.0).reshape(
-        3, num_kv_heads, head_dim
-    )
-
-
-def make(
-    num_blocks: int = 8, block_size: int = 2, num_layers: int = 1, host: bool = False, **kwargs: Any
-) -> KVCacheManager:
-    shape = {"block_size": block_size, "head_dim": 2, "num_layers": num_layers}
-    return KVCacheManager(
-        KVPool(num_blocks, **shape),
-        host_pool=KVPool(num_blocks, **shape) if host else None,
-        enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
-        **kwargs,
-    )
-
-
-class Runner:
-    """Feeds sequences through a manager, k/v from ``kv_of`` their own history."""
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-        self.history: dict[str, list[int]] = {}
-
-    def add(self, seq_id: str, prompt: list[int], extra_keys: Mapping[str, Any] | None = None) -> int:
-        num_hit = self.manager.add_sequence(seq_id, prompt, extra_keys=extra_keys)
-        self.history[seq_id] = list(prompt[:num_hit])
-        return num_hit
-
-    def feed(self, chunks: dict[str, list[int]], layers: list[int] | None = None) -> list[np.ndarray]:
-        """Reserve ``chunks`` and write (and attend) ``layers`` (default every layer)."""
-        manager = self.manager
-        batch = manager.reserve(chunks)
-        positions = []
-        for seq_id, tokens in chunks.items():
-            start = len(self.history[seq_id])
-            self.history[seq_id].extend(tokens)
-            positions += [(seq_id, start + i) for i in range(len(tokens))]
-        outs = []
-        for layer in range(manager.pool.num_layers) if layers is None else layers:
-            rows = np.array([kv_of(tuple(self.history[s][: p + 1]), layer) for s, p in positions])
-            manager.write(layer, batch, rows[:, 1], rows[:, 2])
-            outs.append(manager.attend(layer, batch, rows[:, 0]))
-        manager.check_invariants()
-        return outs
-
-
-def prefix_of(manager: KVCacheManager) -> PrefixCache:
-    prefix = manager._prefix
-    assert prefix is not None
-    return prefix
-
-
-def key_chain(tokens: list[int], block_size: int = 2, extra_keys: Any = None) -> list[bytes]:
-    return block_keys(ROOT_KEY, token_bytes(tokens), block_size, encode_extra_keys(extra_keys), SHA256)
-
 
 # ------------------------------------------------------------------ block keys
 
