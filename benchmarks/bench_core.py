@@ -57,7 +57,7 @@ from common import (
 )
 from threadpoolctl import threadpool_limits
 
-import pagedkv.cache as cache_module
+import pagedkv.paged_attention as attention_module
 from pagedkv import KVCache, KVPool
 from pagedkv.attention import attend_dense
 from pagedkv.reference import attend_window
@@ -75,18 +75,18 @@ TAIL = 256  # the last tokens of each stream that (c) times
 @contextlib.contextmanager
 def attention_skipped() -> Iterator[None]:
     """Make ``KVCache.attend`` do all its bookkeeping but no attention (for pre-filling)."""
-    saved_kernel, saved_gather = cache_module.attend_dense, KVPool.gather
+    saved_kernel, saved_gather = attention_module.attend_dense, KVPool.gather
 
     def no_gather(self: KVPool, layer: int, table: object) -> tuple[np.ndarray, np.ndarray]:
         empty = np.empty((self.num_kv_heads, 0, self.head_dim), self.dtype)
         return empty, empty
 
-    cache_module.attend_dense = lambda query, keys, values, scale=1.0: np.zeros_like(query)
+    attention_module.attend_dense = lambda query, keys, values, scale=1.0: np.zeros_like(query)
     KVPool.gather = no_gather  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        cache_module.attend_dense = saved_kernel
+        attention_module.attend_dense = saved_kernel
         KVPool.gather = saved_gather  # type: ignore[method-assign]
 
 

@@ -228,7 +228,7 @@ def rows_for(
     def gather_loop() -> Array:
         out = np.empty_like(queries)
         for row, table in enumerate(tables):
-            k, v = pool.gather(0, table)
+            k, v = pool.gather(0, table.read_plan())
             out[row] = attend_dense(queries[row], k, v, scale)
         return out
 

@@ -57,12 +57,10 @@ def _buffer(name: str, shape: tuple[int, int, int], dtype: np.dtype[np.floating]
 
 def _window(pool: KVPool, table: BlockTable) -> tuple[npt.NDArray[np.intp], int, int]:
     """Block ids, offset of the first held token in the first block, and token count."""
-    ranges = table.live_ranges()
-    if len(ranges) != 1 or table.num_sink_tokens:
+    plan = table.read_plan()
+    if plan.slots is not None:
         raise NotImplementedError("the candidates cover tables without attention sinks")
-    start, end = ranges[0]
-    offset = start - table.first_block_index * pool.block_size
-    return np.array(table.block_ids, np.intp), offset, end - start
+    return np.array(plan.block_ids, np.intp), plan.offset, plan.num_tokens
 
 
 def attend_per_head(

@@ -10,10 +10,12 @@ changing an output, only the work it costs.
 """
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.batch import Batch, ReservationPlan
+from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
 from pagedkv.cache import KVCache
 from pagedkv.errors import (
+    BlockStateError,
+    BlockTableError,
     ClosedCacheError,
     ConfigError,
     DoubleFreeError,
@@ -32,13 +34,16 @@ from pagedkv.errors import (
 from pagedkv.manager import KVCacheManager, SequenceState
 from pagedkv.metrics import ManagerMetrics
 from pagedkv.pool import KVPool
+from pagedkv.reservation import ReservationPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
     "BlockAllocator",
+    "BlockStateError",
     "BlockTable",
+    "BlockTableError",
     "ClosedCacheError",
     "ConfigError",
     "DoubleFreeError",

@@ -9,10 +9,35 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from pagedkv.errors import ConfigError, DoubleFreeError, PoolExhaustedError, UnknownBlockError
+from pagedkv.counts import check_count
+from pagedkv.errors import (
+    BlockStateError,
+    ConfigError,
+    DoubleFreeError,
+    PoolExhaustedError,
+    UnknownBlockError,
+)
 
-__all__ = ["BlockAllocator"]
+__all__ = ["AllocatorState", "BlockAllocator"]
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorState:
+    """An allocator's whole state as plain ints (what a snapshot saves).
+
+    Attributes:
+        ref_counts: the ref count of every block id.
+        free: the plain free queue, next to hand out first.
+        cached_free: the cached free queue, next to evict first.
+        cached: every block marked cached (used or free), ascending.
+    """
+
+    ref_counts: list[int]
+    free: list[int]
+    cached_free: list[int]
+    cached: list[int]
 
 
 class BlockAllocator:
@@ -69,10 +94,10 @@ class BlockAllocator:
             num_blocks: how many blocks the pool holds; a positive int.
 
         Raises:
-            ConfigError: ``num_blocks`` is not a positive int.
+            InputTypeError: ``num_blocks`` is not an int.
+            ConfigError: ``num_blocks`` is below 1.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        num_blocks = check_count("num_blocks", num_blocks)
         self._num_blocks = num_blocks
         self._ref_counts: list[int] = [0] * num_blocks
         # The plain free ids are _queue[_head:], oldest (next to hand out) first.
@@ -169,11 +194,11 @@ class BlockAllocator:
             The new block ids.
 
         Raises:
-            ConfigError: ``num_blocks`` is negative or not an int.
+            InputTypeError, ConfigError: ``num_blocks`` is not an int >= 0.
             PoolExhaustedError: fewer than ``num_blocks`` are free; nothing changes.
         """
         if num_blocks.__class__ is not int or num_blocks < 0:
-            raise ConfigError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+            num_blocks = check_count("num_blocks", num_blocks, minimum=0)
         head = self._head
         end = head + num_blocks
         queue = self._queue
@@ -214,13 +239,13 @@ class BlockAllocator:
 
         Raises:
             UnknownBlockError: an id is not an id of this pool.
-            DoubleFreeError: an id is free, so there is nothing to share; nothing changes.
+            BlockStateError: an id is free, so there is nothing to share; nothing changes.
         """
         block_ids = list(block_ids)
         for block_id in block_ids:
             self._check_id(block_id)
             if self._ref_counts[block_id] == 0:
-                raise DoubleFreeError(f"block {block_id} is free; only used blocks can be shared")
+                raise BlockStateError(f"block {block_id} is free; only used blocks can be shared")
         ref_counts = self._ref_counts
         for block_id in block_ids:
             ref_counts[block_id] += 1
@@ -307,11 +332,11 @@ class BlockAllocator:
 
         Raises:
             UnknownBlockError: not an id of this pool.
-            DoubleFreeError: the block is free; only used blocks can be marked.
+            BlockStateError: the block is free; only used blocks can be marked.
         """
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
-            raise DoubleFreeError(f"block {block_id} is free; only used blocks can be marked cached")
+            raise BlockStateError(f"block {block_id} is free; only used blocks can be marked cached")
         self._cached.add(block_id)
 
     def unmark_cached(self, block_id: int) -> None:
@@ -333,11 +358,11 @@ class BlockAllocator:
 
         Raises:
             UnknownBlockError: not an id of this pool.
-            DoubleFreeError: the block is not a cached free block.
+            BlockStateError: the block is not a cached free block.
         """
         self._check_id(block_id)
         if block_id not in self._cached_free:
-            raise DoubleFreeError(f"block {block_id} is not a cached free block; nothing to revive")
+            raise BlockStateError(f"block {block_id} is not a cached free block; nothing to revive")
         del self._cached_free[block_id]
         self._ref_counts[block_id] = 1
 
@@ -345,14 +370,39 @@ class BlockAllocator:
         """Add ``num_new_blocks`` free blocks with the next ids; existing ids stay valid.
 
         Raises:
-            ConfigError: ``num_new_blocks`` is not a positive int.
+            InputTypeError, ConfigError: ``num_new_blocks`` is not an int >= 1.
         """
-        if isinstance(num_new_blocks, bool) or not isinstance(num_new_blocks, int) or num_new_blocks < 1:
-            raise ConfigError(f"num_new_blocks must be a positive int, got {num_new_blocks!r}")
+        num_new_blocks = check_count("num_new_blocks", num_new_blocks)
         start = self._num_blocks
         self._num_blocks += num_new_blocks
         self._ref_counts.extend([0] * num_new_blocks)
         self._queue.extend(range(start, self._num_blocks))
+
+    # --------------------------------------------------------- internal hooks
+
+    def _export_state(self) -> AllocatorState:
+        """This allocator's state (copies); with ``_restore_state`` the internal snapshot hook."""
+        return AllocatorState(
+            ref_counts=list(self._ref_counts),
+            free=self._queue[self._head :],
+            cached_free=list(self._cached_free),
+            cached=sorted(self._cached),
+        )
+
+    def _restore_state(self, state: AllocatorState) -> None:
+        """Take ``state`` whole (same ``num_blocks``); the caller checks ``check_invariants`` after.
+
+        The ``on_evict`` callback stays as it is.
+        """
+        if len(state.ref_counts) != self._num_blocks:
+            raise ConfigError(
+                f"a state of {len(state.ref_counts)} blocks for an allocator of {self._num_blocks}"
+            )
+        self._ref_counts = list(state.ref_counts)
+        self._queue = list(state.free)
+        self._head = 0
+        self._cached = set(state.cached)
+        self._cached_free = OrderedDict.fromkeys(state.cached_free)
 
     # -------------------------------------------------------------- invariants
 

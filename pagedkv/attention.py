@@ -11,31 +11,16 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-#: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
-#:
-#: NOTE: measured on a 2-vCPU EPYC with OpenBLAS (SkylakeX kernel), one thread,
-#: H=8, head_dim 128, float32 (see ``benchmarks/bench_layout.py``): OpenBLAS's
-#: gemv streams keys at only 11-14 GB/s, and einsum's contiguous inner loops
-#: were 1.5-1.9x faster once the keys no longer sit in cache (64 tokens cold:
-#: 82 vs 74 us; 4k tokens: 2.6 vs 1.5 ms; 16k: 10.5 vs 6.1 ms). Below about
-#: 4 MiB warm data favours BLAS (1k tokens warm: 174 vs 301 us). The choice
-#: depends only on the shape and dtype, so the paged path and the no-cache
-#: recompute always run the same arithmetic and stay equal bit for bit.
-EINSUM_MIN_BYTES = 1 << 22
-
 __all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_padded", "softmax_rows"]
 
 #: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
 #:
-#: NOTE: measured on a 2-vCPU EPYC with OpenBLAS (SkylakeX kernel), one thread,
-#: H=8, head_dim 128, float32 (see ``benchmarks/bench_layout.py``): OpenBLAS's
-#: gemv streams keys at only 11-14 GB/s, and einsum's contiguous inner loops
-#: were 1.6-1.8x faster from 8 MiB of keys on, warm or cold (2k tokens: 757
-#: vs 611 us warm, 1.31 vs 0.74 ms cold; 16k: 10.5 vs 6.1 ms). With 4 MiB of
-#: keys that stay in the cache BLAS is faster (1k tokens warm: 165 vs 331 us),
-#: so the switch sits at 8 MiB. The choice depends only on the shape and
-#: dtype, so the paged path and the no-cache recompute always run the same
-#: arithmetic and stay equal bit for bit.
+#: NOTE: OpenBLAS's gemv streams keys slowly once they leave the cache, and
+#: einsum's contiguous inner loops win from 8 MiB of keys on, warm or cold;
+#: below that warm keys favour BLAS. The figures and the machine are in
+#: ``benchmarks/bench_layout.py`` (which measured this switch). The choice
+#: depends only on the shape and dtype, so the paged path and the no-cache
+#: recompute always run the same arithmetic and stay equal bit for bit.
 EINSUM_MIN_BYTES = 1 << 23
 
 

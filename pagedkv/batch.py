@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Batch", "ReservationPlan"]
+__all__ = ["Batch"]
 
 
 @dataclass(frozen=True)
@@ -55,24 +55,3 @@ class Batch:
     def num_seqs(self) -> int:
         """Sequences in the batch."""
         return len(self.seq_ids)
-
-
-@dataclass(frozen=True)
-class ReservationPlan:
-    """What ``reserve`` would do, computed without doing it.
-
-    Attributes:
-        fits: whether the reservation would succeed now.
-        num_new_blocks: blocks it would take from the pool (new blocks plus
-            copy-on-write copies); exactly what ``reserve`` then takes.
-        num_copy_on_write: of those, copies of shared, partly filled blocks.
-        num_released_blocks: blocks that would go back to the pool first
-            (wholly outside every window, and held by no one else).
-        num_free_blocks: free blocks now.
-    """
-
-    fits: bool
-    num_new_blocks: int
-    num_copy_on_write: int
-    num_released_blocks: int
-    num_free_blocks: int

@@ -24,13 +24,80 @@ starts after them.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice, pairwise
 
-__all__ = ["BlockTable"]
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.counts import ceil_div
+from pagedkv.errors import BlockTableError
+
+__all__ = ["BlockTable", "ReadPlan", "TableState"]
+
+#: Logical index ranges ``[start, end)``, in order.
+Ranges = list[tuple[int, int]]
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """Where the tokens to read lie in the pool, in logical order: what a pool executes.
+
+    Either *blocks*: the tokens are ``num_tokens`` consecutive slots of the
+    blocks ``block_ids`` laid end to end, starting ``offset`` slots into the
+    first (``slots`` is None); or *slots*: the tokens are at ``slots``, one
+    slot each (sinks in front of a window, or any other gap).
+
+    ::
+
+        block_size 4, blocks [7, 3], offset 2, num_tokens 5:
+            block 7: . . x x   block 3: x x x .      slots 30 31 12 13 14
+
+    Attributes:
+        num_tokens: tokens to read.
+        block_ids: the blocks, in logical order (blocks plans only; empty for slots plans).
+        offset: slots to skip in the first block (blocks plans only).
+        is_run: the block ids are consecutive (``7, 8, 9``), so the tokens
+            are one contiguous stretch of the pool: readable as a view.
+        slots: the slot of every token (slots plans only).
+    """
+
+    num_tokens: int
+    block_ids: tuple[int, ...] = ()
+    offset: int = 0
+    is_run: bool = False
+    slots: npt.NDArray[np.intp] | None = None
+
+    def slot_array(self, block_size: int) -> npt.NDArray[np.intp]:
+        """The slot of every token, whichever kind of plan this is.
+
+        >>> ReadPlan(5, (7, 3), offset=2).slot_array(4).tolist()
+        [30, 31, 12, 13, 14]
+        """
+        if self.slots is not None:
+            return self.slots
+        ids = np.array(self.block_ids, np.intp)
+        every: npt.NDArray[np.intp] = (ids[:, None] * block_size + np.arange(block_size)).ravel()
+        return every[self.offset : self.offset + self.num_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class TableState:
+    """A table's whole state as plain ints: what a snapshot saves (see ``BlockTable._export_state``).
+
+    Attributes:
+        num_tokens: logical length.
+        window_start: first held logical index after the sinks.
+        first_block: logical block index of the first held window block.
+        sink_ids: held sink block ids.
+        window_ids: held window block ids, oldest first.
+    """
+
+    num_tokens: int
+    window_start: int
+    first_block: int
+    sink_ids: list[int]
+    window_ids: list[int]
 
 
 class BlockTable:
@@ -56,6 +123,7 @@ class BlockTable:
     """
 
     __slots__ = (
+        "__weakref__",
         "_first_block",
         "_ids",
         "_num_breaks",
@@ -76,7 +144,7 @@ class BlockTable:
         """
         self.block_size = block_size
         self.num_sink_tokens = num_sink_tokens
-        self.num_sink_blocks = _ceil_div(num_sink_tokens, block_size)
+        self.num_sink_blocks = ceil_div(num_sink_tokens, block_size)
         #: Logical length: every token ever appended, evicted ones included.
         self.num_tokens = 0
         #: First logical index after the sinks that is still held.
@@ -101,19 +169,41 @@ class BlockTable:
 
         ``block_ids`` are the sink blocks (as far as the tokens reach) followed
         by the window blocks from the one holding ``window_start`` on; used
-        when a prefix-cache hit hands a new sequence existing blocks.
+        when a prefix-cache hit hands a new sequence existing blocks, and by
+        snapshots.
         """
         table = cls(block_size, num_sink_tokens)
-        num_sink = min(table.num_sink_blocks, _ceil_div(num_tokens, block_size))
-        table.num_tokens = num_tokens
-        table.window_start = max(num_sink_tokens, min(window_start, num_tokens))
-        table._sink_ids = list(block_ids[:num_sink])
-        table._ids = deque(block_ids[num_sink:])
+        num_sink = min(table.num_sink_blocks, ceil_div(num_tokens, block_size))
+        window_ids = list(block_ids[num_sink:])
         # Tokens that end inside the sink blocks leave the window part empty at num_sink_blocks.
-        table._first_block = max(table.num_sink_blocks, _ceil_div(num_tokens, block_size) - len(table._ids))
-        window = list(table._ids)
-        table._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
+        first_block = max(table.num_sink_blocks, ceil_div(num_tokens, block_size) - len(window_ids))
+        table._restore_state(TableState(
+            num_tokens=num_tokens,
+            window_start=max(num_sink_tokens, min(window_start, num_tokens)),
+            first_block=first_block,
+            sink_ids=list(block_ids[:num_sink]),
+            window_ids=window_ids,
+        ))
         return table
+
+    def _export_state(self) -> TableState:
+        """The table's state as plain ints (a copy); ``_restore_state`` takes it back.
+
+        With ``_restore_state`` this is the table's internal hook for
+        snapshots and sequence records: no other module reads or writes the
+        table's private fields.
+        """
+        return TableState(self.num_tokens, self.window_start, self._first_block,
+                          list(self._sink_ids), list(self._ids))
+
+    def _restore_state(self, state: TableState) -> None:
+        """Take every field from ``state``, in place (the caller checks the invariants after)."""
+        self.num_tokens = state.num_tokens
+        self.window_start = state.window_start
+        self._first_block = state.first_block
+        self._sink_ids = list(state.sink_ids)
+        self._ids = deque(state.window_ids)
+        self._num_breaks = sum(1 for a, b in pairwise(state.window_ids) if a + 1 != b)
 
     # ---------------------------------------------------------------- queries
 
@@ -137,17 +227,12 @@ class BlockTable:
         return list(islice(self._ids, num_blocks))
 
     @property
-    def first_window_id(self) -> int:
-        """Id of the oldest held window block."""
-        return self._ids[0]
-
-    @property
     def first_block_index(self) -> int:
         """Logical block index of the first held window block."""
         return self._first_block
 
     @property
-    def num_cached_tokens(self) -> int:
+    def num_live_tokens(self) -> int:
         """How many tokens are held (sinks plus window), not counting evicted ones."""
         num_sinks = min(self.num_sink_tokens, self.num_tokens)
         return num_sinks + max(0, self.num_tokens - self.window_start)
@@ -165,7 +250,7 @@ class BlockTable:
     def num_new_blocks(self, num_tokens: int) -> int:
         """How many blocks appending ``num_tokens`` more tokens needs."""
         bs = self.block_size
-        return _ceil_div(self.num_tokens + num_tokens, bs) - _ceil_div(self.num_tokens, bs)
+        return ceil_div(self.num_tokens + num_tokens, bs) - ceil_div(self.num_tokens, bs)
 
     def num_blocks_released_by(self, window_start: int) -> int:
         """How many blocks ``evict_to(window_start)`` would give back."""
@@ -174,21 +259,74 @@ class BlockTable:
         return max(0, min(num_whole, len(self._ids)))
 
     def slot(self, index: int) -> int:
-        """The slot (``block_id * block_size + offset``) of held logical index ``index``."""
+        """The slot (``block_id * block_size + offset``) of held logical index ``index``.
+
+        The one scalar form of the rule the class docstring draws;
+        ``slot_array`` is its vectorized form.
+        """
         bs = self.block_size
         logical_block, offset = divmod(index, bs)
         if logical_block < self.num_sink_blocks:
             return self._sink_ids[logical_block] * bs + offset
         return self._ids[logical_block - self._first_block] * bs + offset
 
-    def held_blocks(self) -> list[tuple[int, int]]:
-        """``(logical block index, block id)`` of every held block, in logical order."""
-        pairs = list(enumerate(self._sink_ids))
-        pairs.extend(enumerate(self._ids, start=self._first_block))
-        return pairs
+    def slot_array(self, ranges: Ranges) -> npt.NDArray[np.intp]:
+        """Slots of the held logical indices in ``ranges``, in order.
+
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 2])
+        >>> table.slot_array([(2, 6)]).tolist()
+        [30, 31, 8, 9]
+        """
+        if not ranges:
+            return np.empty(0, np.intp)
+        bs = self.block_size
+        block_ids = np.array(self.block_ids, np.intp)
+        positions = np.concatenate([np.arange(start, end) for start, end in ranges])
+        logical_block = positions // bs
+        index = np.where(
+            logical_block < self.num_sink_blocks,
+            logical_block,
+            logical_block - self._first_block + len(self._sink_ids),
+        )
+        slots: npt.NDArray[np.intp] = block_ids[index] * bs + positions % bs
+        return slots
+
+    def read_plan(self, ranges: Ranges | None = None) -> ReadPlan:
+        """How to read the held logical indices in ``ranges`` (default: every held one).
+
+        One range that lies after the sink blocks becomes a *blocks* plan
+        (whole blocks and an offset; a zero-copy view when their ids are one
+        run); anything else (sinks in front of a window) a *slots* plan.
+
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 8])
+        >>> table.read_plan()
+        ReadPlan(num_tokens=6, block_ids=(7, 8), offset=0, is_run=True, slots=None)
+        >>> table.read_plan([(5, 6)]).block_ids
+        (8,)
+        """
+        if ranges is None:
+            ranges = self.live_ranges()
+        num_tokens = sum(end - start for start, end in ranges)
+        if not num_tokens:
+            return ReadPlan(0, is_run=True)
+        bs = self.block_size
+        start, end = ranges[0]
+        if len(ranges) > 1 or start // bs < self.num_sink_blocks:
+            return ReadPlan(num_tokens, slots=self.slot_array(ranges))
+        lo = start // bs - self._first_block
+        hi = ceil_div(end, bs) - self._first_block
+        if lo == 0 and hi == len(self._ids):
+            ids = tuple(self._ids)
+            is_run = self._num_breaks == 0
+        else:
+            ids = tuple(islice(self._ids, lo, hi))
+            is_run = all(a + 1 == b for a, b in pairwise(ids))
+        return ReadPlan(num_tokens, ids, start - (lo + self._first_block) * bs, is_run)
 
     def slots(self, start: int, end: int) -> list[int]:
-        """Slots of held logical indices ``start .. end - 1``, one ``range`` per block.
+        """Slots of held logical indices ``start .. end - 1`` as a list, one ``range`` per block.
 
         >>> table = BlockTable(block_size=4)
         >>> table.append(6, [7, 2])
@@ -199,12 +337,44 @@ class BlockTable:
         out: list[int] = []
         index = start
         while index < end:
-            logical_block, offset = divmod(index, bs)
-            stop = min(end, (logical_block + 1) * bs)
-            base = self.slot(index) - offset
-            out.extend(range(base + offset, base + offset + stop - index))
+            stop = min(end, (index // bs + 1) * bs)
+            first = self.slot(index)
+            out.extend(range(first, first + stop - index))
             index = stop
         return out
+
+    def live_blocks(self) -> tuple[list[int], dict[int, int]]:
+        """Which held blocks hold live tokens: ``(wholly live ids, {partly live id: offset mask})``.
+
+        Bit ``o`` of a mask is set when offset ``o`` of that block holds a live
+        token. A block with no live offset (the evicted part of the window's
+        first block only) is in neither. Only the blocks at the ends of the
+        sink and window parts can be partly live::
+
+            block_size 4, 2 sinks, window start 9, 14 tokens:
+                xx__ | (evicted) | _xxx | xxxx | xx__
+                sink               first  whole  last
+        """
+        bs = self.block_size
+        whole: list[int] = []
+        masks: dict[int, int] = {}
+        segments = ((0, self._sink_ids), (self._first_block, self._ids))
+        for start, end in self.live_ranges():
+            for first_logical, ids in segments:
+                lo_block = max(start // bs, first_logical)
+                hi_block = min(ceil_div(end, bs), first_logical + len(ids))  # exclusive
+                if lo_block >= hi_block:
+                    continue
+                # Blocks strictly between the range's first and last are whole.
+                whole.extend(islice(ids, lo_block + 1 - first_logical, hi_block - 1 - first_logical))
+                for logical in sorted({lo_block, hi_block - 1}):
+                    block_id = ids[logical - first_logical]
+                    lo, hi = max(start - logical * bs, 0), min(end - logical * bs, bs)
+                    # A sink block the window range reaches too gets both ranges' bits.
+                    masks[block_id] = masks.get(block_id, 0) | ((1 << hi) - (1 << lo))
+        full = (1 << bs) - 1
+        whole.extend(block_id for block_id, mask in masks.items() if mask == full)
+        return whole, {block_id: mask for block_id, mask in masks.items() if mask != full}
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """Held logical index ranges ``[start, end)``, sinks first, in order."""
@@ -222,7 +392,7 @@ class BlockTable:
         ``new_block_ids`` must hold exactly ``num_new_blocks(num_tokens)`` ids.
         """
         if len(new_block_ids) != self.num_new_blocks(num_tokens):
-            raise ValueError(
+            raise BlockTableError(
                 f"appending {num_tokens} tokens needs {self.num_new_blocks(num_tokens)} "
                 f"new blocks, got {len(new_block_ids)}"
             )
@@ -256,7 +426,7 @@ class BlockTable:
             self._first_block += 1
         if not ids:
             # Nothing held in the window: the next token's block starts it again.
-            self._first_block = max(self._first_block, _ceil_div(self.num_tokens, bs))
+            self._first_block = max(self._first_block, ceil_div(self.num_tokens, bs))
         return released
 
     def replace_last(self, block_id: int) -> int:
@@ -279,7 +449,7 @@ class BlockTable:
     def replace_all(self, block_ids: list[int]) -> list[int]:
         """Swap every held id for the one at the same place in ``block_ids``; return the old ids."""
         if len(block_ids) != self.num_blocks:
-            raise ValueError(f"table holds {self.num_blocks} blocks, got {len(block_ids)} ids")
+            raise BlockTableError(f"table holds {self.num_blocks} blocks, got {len(block_ids)} ids")
         old = self.block_ids
         num_sink = len(self._sink_ids)
         self._sink_ids = list(block_ids[:num_sink])
@@ -302,14 +472,14 @@ class BlockTable:
         evicted_lo = max(num_tokens, self.num_sink_tokens)
         evicted_hi = min(self.num_tokens, self.window_start)
         if not 0 <= num_tokens <= self.num_tokens or evicted_lo < evicted_hi:
-            raise ValueError(
+            raise BlockTableError(
                 f"cannot truncate {self.num_tokens} tokens to {num_tokens}: "
                 f"tokens {evicted_lo}..{evicted_hi - 1} are already evicted"
             )
         bs = self.block_size
         self.num_tokens = num_tokens
         released = []
-        needed = _ceil_div(num_tokens, bs)
+        needed = ceil_div(num_tokens, bs)
         while self._ids and self._first_block + len(self._ids) > needed:
             block_id = self._ids.pop()
             if self._ids and self._ids[-1] + 1 != block_id:
@@ -351,14 +521,14 @@ class BlockTable:
         ids = self.block_ids
         if len(set(ids)) != len(ids):
             raise AssertionError(f"a block id appears twice in one table: {ids}")
-        expected_sink = min(self.num_sink_blocks, _ceil_div(self.num_tokens, bs))
+        expected_sink = min(self.num_sink_blocks, ceil_div(self.num_tokens, bs))
         if len(self._sink_ids) != expected_sink:
             raise AssertionError(
                 f"{len(self._sink_ids)} sink blocks held, expected {expected_sink}"
             )
         if self._first_block < self.num_sink_blocks:
             raise AssertionError("window part starts inside the sink blocks")
-        last_block = _ceil_div(self.num_tokens, bs)
+        last_block = ceil_div(self.num_tokens, bs)
         expected_window = max(0, last_block - self._first_block)
         if len(self._ids) != expected_window:
             raise AssertionError(
@@ -379,6 +549,10 @@ class BlockTable:
         breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
         if breaks != self._num_breaks:
             raise AssertionError(f"run breaks counted {self._num_breaks}, actual {breaks}")
+
+    def held_block_ids(self) -> list[int]:
+        """The held block ids, once each: a table is a :class:`~pagedkv.pool.BlockHolder`."""
+        return self.block_ids
 
     def __repr__(self) -> str:
         return (

@@ -13,29 +13,47 @@ changes an output: each one equals, bit for bit, the no-cache recompute of
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.attention import attend_dense
-from pagedkv.block_table import BlockTable
+from pagedkv.block_table import BlockTable, TableState
+from pagedkv.counts import check_count, check_max_size, window_blocks
 from pagedkv.errors import (
     ClosedCacheError,
     ConfigError,
     InputTypeError,
-    NonFiniteError,
     PoolExhaustedError,
     ShapeError,
 )
-from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
+from pagedkv.inputs import as_vectors, check_scale, check_score_bound
+from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool, storage_dtype
-from pagedkv.quantization import attend_chunked, check_storage_dtype, storage_format
+from pagedkv.quantization import check_storage_dtype, storage_format
 
-__all__ = ["KVCache"]
+__all__ = ["CacheState", "KVCache"]
 
 _DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    """What a cache holds beyond its configuration and pool (what a snapshot saves).
+
+    Attributes:
+        private: whether its pool is its own (growable) one.
+        max_abs_key: the largest |key| appended since the last ``clear``.
+        kv_shape: the shape of one key, fixed by the first ``attend`` (None before).
+        table: its block table's state.
+    """
+
+    private: bool
+    max_abs_key: float
+    kv_shape: tuple[int, ...] | None
+    table: TableState
 
 
 def _release(allocator: BlockAllocator, table: BlockTable) -> None:
@@ -138,7 +156,7 @@ class KVCache:
 
     def __len__(self) -> int:
         """How many entries are cached now (at most ``max_size``)."""
-        return self._table.num_cached_tokens
+        return self._table.num_live_tokens
 
     @property
     def max_size(self) -> int | None:
@@ -237,7 +255,7 @@ class KVCache:
         value, _ = as_vectors("v", v, self._dtype)
         self._check_shapes(query, key, value)
         key_abs = float(np.abs(key).max())
-        self._check_overflow(query, max(self._max_abs_key, key_abs))
+        check_score_bound(self._scale, query, max(self._max_abs_key, key_abs), self._dtype)
 
         table = self._table
         window_start = table.window_start
@@ -265,15 +283,8 @@ class KVCache:
         table.append(1, new_ids)
         heads = (pool.num_kv_heads, pool.head_dim)
         pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
-        if pool.quantized:
-            quantized_keys, quantized_values = pool.gather_quantized(0, table)
-            out = attend_chunked(
-                query.reshape(-1, pool.head_dim), quantized_keys, quantized_values, self._scale, self._dtype
-            )
-            return out.reshape(query.shape).tolist() if q_is_list else out.reshape(query.shape)
-        keys, values = pool.gather(0, table)
-        out = attend_dense(query.reshape(-1, pool.head_dim), keys, values, self._scale)
-        out = out.reshape(query.shape)
+        queries = query.reshape(1, -1, pool.head_dim)  # (1 new token, num_q_heads, head_dim)
+        out = attend_sequence(pool, 0, table, self._max_size, queries, self._scale).reshape(query.shape)
         return out.tolist() if q_is_list else out
 
     def clear(self) -> None:
@@ -295,7 +306,7 @@ class KVCache:
         self.clear()
         self._closed = True
         if self._pool is not None:
-            self._pool.detach(self)
+            self._pool.detach(self._table)
         if self._finalizer is not None:
             self._finalizer.detach()
         if self._private:
@@ -317,7 +328,7 @@ class KVCache:
             if len(self) > self._max_size:
                 raise AssertionError(f"{len(self)} entries cached, max_size {self._max_size}")
             expected = min(table.num_tokens, self._max_size)
-            limit = -(-self._max_size // self._block_size) + 1
+            limit = window_blocks(self._max_size, self._block_size)
             if table.num_blocks > limit:
                 raise AssertionError(f"{table.num_blocks} blocks held, at most {limit} allowed")
         else:
@@ -331,11 +342,8 @@ class KVCache:
 
     # ---------------------------------------------------------------- private
 
-    def _held_block_ids(self) -> list[int]:
-        return self._table.block_ids
-
     def _attach(self, pool: KVPool) -> None:
-        pool.attach(self)
+        pool.attach(self._table)
         if not self._private:
             self._finalizer = weakref.finalize(self, _release, pool.allocator, self._table)
 
@@ -365,23 +373,11 @@ class KVCache:
                     f"the pool stores (num_kv_heads, head_dim)={expected}, got k of shape {key.shape}"
                 )
 
-    def _check_overflow(self, query: npt.NDArray[Any], max_abs_key: float) -> None:
-        # |scale * q.k| <= |scale| * sum|q| * max|k|; keep it far below the dtype's
-        # maximum so no score, and no partial sum of one, can overflow.
-        bound = abs(self._scale) * float(np.abs(query).sum(axis=-1).max()) * max_abs_key
-        limit = float(np.finfo(self._dtype).max) / 16
-        if bound > limit:
-            raise NonFiniteError(
-                f"attention scores could reach {bound:.3g}, beyond what {self._dtype} holds "
-                f"safely ({limit:.3g}); scale q or k down"
-            )
-
     def _create_private_pool(self, kv_shape: tuple[int, ...]) -> None:
         num_kv_heads, head_dim = kv_shape if len(kv_shape) == 2 else (1, kv_shape[0])
         if self._max_size is not None:
             # Twice the window's blocks: room to re-lay the window in one run (_compact).
-            num_blocks = 2 * (-(-self._max_size // self._block_size) + 1)
-            num_blocks = min(num_blocks, 64)
+            num_blocks = min(2 * window_blocks(self._max_size, self._block_size), 64)
         else:
             num_blocks = 4
         self._pool = KVPool(
@@ -419,27 +415,36 @@ class KVCache:
         the front. It costs one block copy per block appended, amortized,
         because the pool keeps at least twice the window's blocks.
         """
-        held = self._table.block_ids
-        num_held = len(held)
-        if pool.num_blocks < 2 * num_held + 1:
-            pool.grow(2 * num_held + 1 - pool.num_blocks)
-        keys, values = pool.keys(0), pool.values(0)
-        moved_keys = keys[:, held]
-        moved_values = values[:, held]
-        pool.allocator = BlockAllocator(pool.num_blocks)
-        new_ids = pool.allocator.allocate(num_held)
-        keys[:, :num_held] = moved_keys
-        values[:, :num_held] = moved_values
-        pool.copy_block_scales(held, list(range(num_held)))
-        self._table.replace_all(new_ids)
+        self._table.replace_all(pool.compact(self._table.block_ids))
 
     def _entries(self, which: int) -> npt.NDArray[Any]:
         if self._pool is None or self._kv_shape is None or len(self) == 0:
             shape = (0, *self._kv_shape) if self._kv_shape is not None else (0, 0)
             return np.empty(shape, self._dtype)
-        keys, values = self._pool.gather(0, self._table)
+        keys, values = self._pool.gather(0, self._table.read_plan())
         chosen = keys if which == 0 else values
         return np.ascontiguousarray(chosen.transpose(1, 0, 2)).reshape(len(self), *self._kv_shape)
+
+    # ------------------------------------------------------- internal hooks
+
+    def _export_state(self) -> CacheState:
+        """This cache's state beyond its configuration (copies): the internal snapshot hook."""
+        return CacheState(self._private, self._max_abs_key, self._kv_shape, self._table._export_state())
+
+    def _restore_state(self, state: CacheState, pool: KVPool | None) -> None:
+        """Take ``state`` into this new, empty cache; ``pool`` holds its blocks already.
+
+        ``pool`` is the private pool to adopt (when ``state.private`` or when
+        this cache was created without a pool), or None when the cache was
+        created on its shared pool. The table is filled in place: it is the
+        object the finalizer frees.
+        """
+        self._max_abs_key = state.max_abs_key
+        self._kv_shape = state.kv_shape
+        self._table._restore_state(state.table)
+        if pool is not None and self._pool is None:
+            self._pool = pool
+            self._attach(pool)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"len={len(self)}, num_blocks={self.num_blocks}"

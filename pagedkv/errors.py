@@ -13,6 +13,8 @@ True
 from __future__ import annotations
 
 __all__ = [
+    "BlockStateError",
+    "BlockTableError",
     "ClosedCacheError",
     "ConfigError",
     "DoubleFreeError",
@@ -70,12 +72,21 @@ class PoolExhaustedError(PagedKVError, MemoryError):
         )
 
 
-class DoubleFreeError(PagedKVError, RuntimeError):
+class BlockStateError(PagedKVError, RuntimeError):
+    """A block is in the wrong state for the operation: sharing a free block, reviving an uncached one."""
+
+
+class DoubleFreeError(BlockStateError):
     """A block was freed while its reference count was already zero."""
 
 
 class UnknownBlockError(PagedKVError, LookupError):
     """A block id is not an id of this pool."""
+
+
+class BlockTableError(PagedKVError, ValueError):
+    """A block table was asked for something its tokens cannot give (a wrong number of new blocks,
+    truncating into evicted tokens)."""
 
 
 class LayerIndexError(PagedKVError, IndexError):

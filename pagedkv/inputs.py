@@ -1,4 +1,4 @@
-"""Checking and converting what callers pass in: vectors, sizes, scales.
+"""Checking and converting what callers pass in: vectors and scales (counts: :mod:`pagedkv.counts`).
 
 Everything here only reads its arguments; callers validate every input before
 they change any state, which is how a failed call leaves nothing half-done.
@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeError
+from pagedkv.errors import InputTypeError, NonFiniteError, ShapeError
 
-__all__ = ["as_vectors", "check_count", "check_max_size", "check_scale"]
+__all__ = ["as_vectors", "check_scale", "check_score_bound"]
 
 
 def as_vectors(
@@ -85,39 +85,6 @@ def as_vectors(
     return converted, came_as_list
 
 
-def check_max_size(max_size: object) -> int | None:
-    """Validate a window size: ``None`` (unbounded) or a positive int.
-
-    Raises:
-        InputTypeError: a bool, float, string or other non-int.
-        ConfigError: zero or negative.
-    """
-    if max_size is None:
-        return None
-    if isinstance(max_size, (bool, np.bool_)) or not isinstance(max_size, (int, np.integer)):
-        raise InputTypeError(
-            f"max_size must be None or a positive int, got {max_size!r} "
-            f"({type(max_size).__name__})"
-        )
-    if max_size < 1:
-        raise ConfigError(f"max_size must be None or a positive int, got {max_size}")
-    return int(max_size)
-
-
-def check_count(name: str, value: object, *, minimum: int = 1) -> int:
-    """Validate an int count that must be at least ``minimum``.
-
-    Raises:
-        InputTypeError: not an int (bools included).
-        ConfigError: below ``minimum``.
-    """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InputTypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value}")
-    return int(value)
-
-
 def check_scale(scale: object) -> float:
     """Validate a softmax scale: a finite real number.
 
@@ -130,3 +97,35 @@ def check_scale(scale: object) -> float:
     if not math.isfinite(float(scale)):
         raise NonFiniteError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def check_score_bound(
+    scale: float, queries: npt.NDArray[Any], max_abs_key: float, dtype: np.dtype[Any]
+) -> None:
+    """Refuse queries whose attention scores could overflow ``dtype``.
+
+    ``|scale * q.k| <= |scale| * sum|q| * max|k|``; the bound must stay far
+    below the dtype's maximum (a sixteenth of it) so no score, and no partial
+    sum of one, can overflow. The one rule for every attention entry point.
+
+    Args:
+        scale: the softmax scale.
+        queries: ``(..., head_dim)``; each row is bounded on its own.
+        max_abs_key: the largest |key| the keys attended over can hold.
+        dtype: the compute dtype.
+
+    Raises:
+        NonFiniteError: some score could exceed ``finfo(dtype).max / 16``.
+
+    >>> check_score_bound(1.0, np.array([1e154]), 1e154, np.dtype(np.float64))
+    Traceback (most recent call last):
+    ...
+    pagedkv.errors.NonFiniteError: attention scores could reach 1e+308, beyond what float64 holds ...
+    """
+    bound = abs(scale) * float(np.abs(queries).sum(axis=-1).max()) * max_abs_key
+    limit = float(np.finfo(dtype).max) / 16
+    if bound > limit:
+        raise NonFiniteError(
+            f"attention scores could reach {bound:.3g}, beyond what {dtype} holds "
+            f"safely ({limit:.3g}); scale q or k down"
+        )

@@ -76,7 +76,7 @@ def flashinfer_csr(manager: KVCacheManager, seq_ids: Sequence[Hashable]) -> Page
         if manager.state(seq_id) is not SequenceState.RUNNING:
             raise SequenceStateError(f"sequence {seq_id!r} is {manager.state(seq_id).value}, not running")
         table = manager.block_table(seq_id)
-        if table.num_cached_tokens == 0:
+        if table.num_live_tokens == 0:
             raise SequenceStateError(f"sequence {seq_id!r} holds no tokens; nothing to export")
         indices.extend(table.block_ids)
         indptr.append(len(indices))

@@ -24,105 +24,83 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, ReservationPlan
+from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
+from pagedkv.counts import check_count, check_max_size
 from pagedkv.errors import (
     ConfigError,
     DuplicateSequenceError,
     InputTypeError,
     LayerIndexError,
-    NonFiniteError,
     PoolExhaustedError,
     SequenceStateError,
     ShapeError,
     UnknownSequenceError,
 )
-from pagedkv.inputs import as_vectors, check_count, check_max_size, check_scale
-from pagedkv.metrics import ManagerMetrics
+from pagedkv.inputs import as_vectors, check_scale, check_score_bound
+from pagedkv.metrics import ManagerMetrics, collect_metrics
 from pagedkv.paged_attention import attend_decode_padded, attend_sequence
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import (
-    ROOT_KEY,
-    PrefixCache,
-    block_keys,
-    encode_extra_keys,
-    hash_function,
-    token_bytes,
-)
+from pagedkv.prefix_cache import PrefixCache, encode_extra_keys, hash_function, token_bytes
+from pagedkv.prefix_sharing import PrefixSharing
+from pagedkv.reservation import Request, Requests, ReservationPlan, parse_requests, plan_reservation
+from pagedkv.sequence import RecordState, SequenceHolder, SequenceRecord, SequenceState
+from pagedkv.swap import check_host_pool, swap_in, swap_out
 
-__all__ = ["KVCacheManager", "SequenceState"]
+__all__ = ["KVCacheManager", "ManagerState", "SequenceState"]
 
 # NOTE: one counter for every manager, so a Batch from another manager never
 # matches a stamp here (per-manager counters both start at 1).
 _RESERVATION_IDS = itertools.count(1)
 
-
-class SequenceState(enum.Enum):
-    """Where a sequence's blocks are."""
-
-    RUNNING = "running"  #: on the device pool
-    PREEMPTED = "preempted"  #: freed for recompute; the caller re-feeds its tokens
-    SWAPPED = "swapped"  #: copied to the host pool
-
-
-class _Sequence:
-    __slots__ = (
-        "block_keys",
-        "extras",
-        "num_written",
-        "reservation_id",
-        "seq_id",
-        "state",
-        "table",
-        "token_ids",
-    )
-
-    def __init__(self, seq_id: Hashable, table: BlockTable, num_layers: int) -> None:
-        self.seq_id = seq_id
-        self.table = table
-        self.state = SequenceState.RUNNING
-        #: Tokens whose k/v are written, per layer.
-        self.num_written = [0] * num_layers
-        self.reservation_id = 0
-        #: Prefix caching: every token id so far (None once a reservation gave
-        #: only a count), the chained key of each full logical block from 0,
-        #: and the encoded extra keys (salt, adapter, multimodal).
-        self.token_ids: list[int] | None = []
-        self.block_keys: list[bytes] = []
-        self.extras = b""
-
-    def copy_keys_from(self, other: _Sequence) -> None:
-        self.token_ids = None if other.token_ids is None else list(other.token_ids)
-        self.block_keys = list(other.block_keys)
-        self.extras = other.extras
-
-    def pending_layers(self) -> list[int]:
-        return [layer for layer, n in enumerate(self.num_written) if n != self.table.num_tokens]
+#: The event counters every manager keeps (and a snapshot saves).
+COUNTERS = (
+    "forks",
+    "copy_on_write",
+    "preemptions",
+    "swaps_out",
+    "swaps_in",
+    "prefix_queries",
+    "prefix_hits",
+    "resumed_reuse",
+)
 
 
-class _Holder:
-    """Reports the block ids a manager holds on one pool (for ``KVPool.check_invariants``)."""
+class ManagerState:
+    """A manager's state beyond its configuration and pools (what a snapshot saves).
 
-    def __init__(self, manager: KVCacheManager, state: SequenceState) -> None:
-        self._manager = manager
-        self._state = state
+    Attributes:
+        max_abs_key: the largest |key| written so far, per layer.
+        counters: the event counters (``COUNTERS``).
+        records: every sequence's record, in the order they were added.
+        prefix_keys: ``(block_id, key)`` of every prefix key in insertion order
+            (empty without prefix caching).
+        num_prefix_evictions: prefix keys dropped for reuse so far.
+    """
 
-    def _held_block_ids(self) -> list[int]:
-        return [
-            block_id
-            for seq in self._manager._seqs.values()
-            if seq.state is self._state
-            for block_id in seq.table.block_ids
-        ]
+    __slots__ = ("counters", "max_abs_key", "num_prefix_evictions", "prefix_keys", "records")
+
+    def __init__(
+        self,
+        max_abs_key: list[float],
+        counters: dict[str, int],
+        records: list[RecordState],
+        prefix_keys: list[tuple[int, bytes]],
+        num_prefix_evictions: int,
+    ) -> None:
+        self.max_abs_key = max_abs_key
+        self.counters = counters
+        self.records = records
+        self.prefix_keys = prefix_keys
+        self.num_prefix_evictions = num_prefix_evictions
 
 
 class KVCacheManager:
@@ -203,34 +181,28 @@ class KVCacheManager:
                 f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={pool.num_kv_heads}"
             )
         self.scale = check_scale(scale)
-        if host_pool is not None:
-            _check_same_shape(pool, host_pool)
-        self.host_pool = host_pool
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
+        self._seqs: dict[Hashable, SequenceRecord] = {}
         self._max_abs_key = [0.0] * pool.num_layers
-        self._counters = dict.fromkeys(
-            (
-                "forks",
-                "copy_on_write",
-                "preemptions",
-                "swaps_out",
-                "swaps_in",
-                "prefix_queries",
-                "prefix_hits",
-                "resumed_reuse",
-            ),
-            0,
-        )
-        self._prefix: PrefixCache | None = None
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        hash_function(hash_algorithm)  # validated even with prefix caching off: snapshots save it
         #: The block hash's name (kept for snapshots).
         self.hash_algorithm = hash_algorithm
+        self._sharing: PrefixSharing | None = None
         if enable_prefix_caching:
-            self._hasher = hash_function(hash_algorithm)
-            if pool.allocator.on_evict is not None:
-                raise ConfigError("another manager already runs prefix caching on this pool")
-            self._prefix = PrefixCache(pool.allocator)
+            self._sharing = PrefixSharing(
+                pool.allocator,
+                block_size=pool.block_size,
+                num_sink_tokens=self.num_sink_tokens,
+                max_size=self.max_size,
+                num_layers=pool.num_layers,
+                hash_algorithm=hash_algorithm,
+            )
         # The pools hold these weakly; the manager keeps them alive.
-        self._holders = [_Holder(self, SequenceState.RUNNING), _Holder(self, SequenceState.SWAPPED)]
+        self._holders = [
+            SequenceHolder(self._seqs, SequenceState.RUNNING),
+            SequenceHolder(self._seqs, SequenceState.SWAPPED),
+        ]
         pool.attach(self._holders[0])
         if host_pool is not None:
             host_pool.attach(self._holders[1])
@@ -244,6 +216,16 @@ class KVCacheManager:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether this manager runs prefix caching (``enable_prefix_caching``)."""
+        return self._sharing is not None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The key -> block map of prefix caching (read it; do not change it), or None when off."""
+        return self._sharing.cache if self._sharing is not None else None
 
     def state(self, seq_id: Hashable) -> SequenceState:
         """Where ``seq_id``'s blocks are."""
@@ -264,7 +246,8 @@ class KVCacheManager:
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        return self._plan(_as_pairs(requests))[0]
+        requests_list = parse_requests(requests)
+        return self._plan(requests_list, self._request_records(requests_list))
 
     def can_reserve(self, requests: Requests) -> bool:
         """Whether ``reserve(requests)`` would succeed now."""
@@ -278,6 +261,7 @@ class KVCacheManager:
         prompt: Sequence[int] | None = None,
         *,
         extra_keys: Mapping[str, str | bytes | int] | None = None,
+        cache_blocks: bool = True,
     ) -> int:
         """Start a sequence; with prefix caching, share the cached blocks of its prompt.
 
@@ -289,6 +273,10 @@ class KVCacheManager:
             extra_keys: tagged keys hashed into every block key:
                 ``{"salt": tenant, "adapter": id, "multimodal": hash}``.
                 Sequences with different extra keys never share a block.
+            cache_blocks: with prefix caching, key this sequence's full blocks
+                so later prompts can share them; its reservations must then
+                give token ids. ``False`` lets it reserve by count, and its
+                blocks are never keyed (the prompt is still looked up).
 
         Returns:
             How many leading prompt tokens are already cached (a multiple of
@@ -300,18 +288,23 @@ class KVCacheManager:
             InputTypeError, ConfigError: a bad id, token id or extra key.
         """
         self._check_new_id(seq_id)
+        if not isinstance(cache_blocks, bool):
+            raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
         extras = encode_extra_keys(extra_keys)
-        tokens = token_bytes(list(prompt)) if prompt is not None else b""
-        seq = _Sequence(
+        token_ids = None if prompt is None else _prompt_ids(prompt)
+        tokens = token_bytes(token_ids) if token_ids is not None else b""
+        record = SequenceRecord(
             seq_id, BlockTable(self.pool.block_size, self.num_sink_tokens), self.pool.num_layers
         )
-        seq.extras = extras
-        self._seqs[seq_id] = seq
-        if self._prefix is None or prompt is None:
-            return 0
-        self._counters["prefix_queries"] += len(prompt)
-        num_hit = self._share_cached_prefix(seq, list(prompt), tokens)
-        self._counters["prefix_hits"] += num_hit
+        record.extras = extras
+        self._seqs[seq_id] = record
+        num_hit = 0
+        if self._sharing is not None and token_ids is not None:
+            self._counters["prefix_queries"] += len(token_ids)
+            num_hit = self._sharing.share_cached_prefix(record, token_ids, tokens)
+            self._counters["prefix_hits"] += num_hit
+        if not cache_blocks:
+            record.token_ids = None
         return num_hit
 
     def reset_prefix_cache(self) -> None:
@@ -321,13 +314,13 @@ class KVCacheManager:
             ConfigError: prefix caching is off.
             SequenceStateError: blocks are in use (free every sequence first).
         """
-        if self._prefix is None:
+        if self._sharing is None:
             raise ConfigError("prefix caching is off for this manager")
         if self.pool.num_used_blocks:
             raise SequenceStateError(
                 f"{self.pool.num_used_blocks} blocks are in use; free every sequence before a reset"
             )
-        self._prefix.reset()
+        self._sharing.cache.reset()
 
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
@@ -354,8 +347,9 @@ class KVCacheManager:
                 reserved tokens some layer has not written yet.
             PoolExhaustedError: the pool cannot hold it; nothing changes.
         """
-        pairs = _as_pairs(requests)
-        plan, steps = self._plan(pairs)
+        requests_list = parse_requests(requests)
+        records = self._request_records(requests_list)
+        plan = self._plan(requests_list, records)
         if not plan.fits:
             raise PoolExhaustedError(
                 plan.num_new_blocks,
@@ -371,37 +365,33 @@ class KVCacheManager:
         if self.max_size is not None:
             # Every eviction first: the plan counts a later sequence's released
             # blocks as available to an earlier sequence's new blocks.
-            for (seq_id, _, _), (window_start, _, _) in zip(pairs, steps):
-                table = self._seqs[seq_id].table
-                if window_start > table.window_start:
-                    released = table.evict_to(window_start)
+            for record, step in zip(records, plan.steps):
+                if step.window_start > record.table.window_start:
+                    released = record.table.evict_to(step.window_start)
                     if released:
                         allocator.free(released)
-        for (seq_id, num_new, token_ids), (_, copy_on_write, num_blocks) in zip(pairs, steps):
-            seq = self._seqs[seq_id]
-            if seq.token_ids is not None:
-                if token_ids is None:
-                    seq.token_ids = None
-                else:
-                    seq.token_ids.extend(token_ids)
-            table = seq.table
-            if copy_on_write:
+        for record, request, step in zip(records, requests_list, plan.steps):
+            if record.token_ids is not None and request.token_ids is not None:
+                record.token_ids.extend(request.token_ids)
+            table = record.table
+            if step.copy_on_write:
                 copy = allocator.allocate_one()
                 self.pool.copy_blocks([table.last_block_id], [copy])
                 allocator.free_one(table.replace_last(copy))
                 self._counters["copy_on_write"] += 1
             start = table.num_tokens
-            table.append(num_new, allocator.allocate(num_blocks) if num_blocks else [])
+            num_new = request.num_new_tokens
+            table.append(num_new, allocator.allocate(step.num_new_blocks) if step.num_new_blocks else [])
             first_positions.append(start)
             if num_new == 1:
                 slots.append(table.last_block_id * bs + start % bs)
             else:
                 slots.extend(table.slots(start, start + num_new))
-            seq.reservation_id = stamp = next(_RESERVATION_IDS)
+            record.reservation_id = stamp = next(_RESERVATION_IDS)
             stamps.append(stamp)
-        counts = [n for _, n, _ in pairs]
+        counts = [request.num_new_tokens for request in requests_list]
         return Batch(
-            seq_ids=tuple(seq_id for seq_id, _, _ in pairs),
+            seq_ids=tuple(request.seq_id for request in requests_list),
             num_new_tokens=tuple(counts),
             first_positions=tuple(first_positions),
             query_start=np.array([0, *accumulate(counts)], np.int64),
@@ -439,8 +429,8 @@ class KVCacheManager:
         self._max_abs_key[layer] = max(self._max_abs_key[layer], float(np.abs(key_array).max()))
         for seq, start, num_new in zip(seqs, batch.first_positions, batch.num_new_tokens):
             seq.num_written[layer] = start + num_new
-            if self._prefix is not None:
-                self._key_full_blocks(seq)
+            if self._sharing is not None:
+                self._sharing.key_full_blocks(seq)
 
     def attend(self, layer: int, batch: Batch, queries: Any, *, method: str = "loop") -> npt.NDArray[Any]:
         """Attention of every new token of ``batch`` over its own sequence, in one call.
@@ -477,9 +467,7 @@ class KVCacheManager:
                 )
         expected = (batch.num_tokens, self.num_q_heads, self.pool.head_dim)
         query_array = self._tokens("queries", queries, expected)
-        bound = abs(self.scale) * float(np.abs(query_array).sum(axis=-1).max()) * self._max_abs_key[layer]
-        if bound > float(np.finfo(self.pool.dtype).max) / 16:
-            raise NonFiniteError(f"attention scores could reach {bound:.3g}; scale q or k down")
+        check_score_bound(self.scale, query_array, self._max_abs_key[layer], self.pool.dtype)
         window = self.layer_max_sizes[layer]
         if method == "padded" and all(n == 1 for n in batch.num_new_tokens):
             tables = [seq.table for seq in seqs]
@@ -503,9 +491,7 @@ class KVCacheManager:
         seq = self._get(parent)
         self._check_new_id(child)
         self._check_settled(seq, "fork")
-        twin = _Sequence(child, seq.table.copy(), self.pool.num_layers)
-        twin.num_written = list(seq.num_written)
-        twin.copy_keys_from(seq)
+        twin = seq.fork(child)
         self.pool.allocator.share(seq.table.block_ids)
         self._seqs[child] = twin
         self._counters["forks"] += 1
@@ -573,11 +559,7 @@ class KVCacheManager:
         else:
             host = self._host()
             self._check_settled(seq, "swap out")
-            device_ids = seq.table.block_ids
-            host_ids = host.allocator.allocate(len(device_ids))
-            _copy_between(self.pool, device_ids, host, host_ids)
-            self.pool.allocator.free(seq.table.replace_all(host_ids))
-            seq.state = SequenceState.SWAPPED
+            swap_out(seq, self.pool, host)
             self._counters["swaps_out"] += 1
         seq.reservation_id = 0
         self._counters["preemptions"] += 1
@@ -606,23 +588,19 @@ class KVCacheManager:
         if seq.state is SequenceState.RUNNING:
             raise SequenceStateError(f"sequence {seq_id!r} is running; only preempted ones resume")
         if seq.state is SequenceState.SWAPPED:
-            host_ids = seq.table.block_ids
-            device_ids = self.pool.allocator.allocate(len(host_ids))
-            _copy_between(self._host(), host_ids, self.pool, device_ids)
-            self._host().allocator.free(seq.table.replace_all(device_ids))
+            swap_in(seq, self.pool, self._host())
             self._counters["swaps_in"] += 1
-            seq.state = SequenceState.RUNNING
-            if self._prefix is not None:
-                self._rekey_restored(seq)
+            if self._sharing is not None:
+                self._sharing.rekey_restored(seq)
             return seq.table.num_tokens
         seq.state = SequenceState.RUNNING
-        if self._prefix is None or not seq.token_ids:
+        if self._sharing is None or not seq.token_ids:
             seq.token_ids = None if seq.token_ids is None else []
             seq.block_keys = []
             return 0
         history = seq.token_ids
         seq.token_ids, seq.block_keys = [], []
-        num_reused = self._share_cached_prefix(seq, history, token_bytes(history))
+        num_reused = self._sharing.share_cached_prefix(seq, history, token_bytes(history))
         self._counters["resumed_reuse"] += num_reused
         return num_reused
 
@@ -630,66 +608,15 @@ class KVCacheManager:
 
     def metrics(self) -> ManagerMetrics:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
-        pool = self.pool
-        bs = pool.block_size
-        ref_count = pool.allocator.ref_count
-        live: dict[int, int] = {}  # shared block id -> bitmask of live offsets
-        num_live_tokens = num_live_slots = 0
-        for seq in self._seqs.values():
-            if seq.state is not SequenceState.RUNNING:
-                continue
-            table = seq.table
-            num_live_tokens += table.num_cached_tokens
-            if pool.allocator.max_ref_count(table.block_ids) <= 1:
-                num_live_slots += table.num_cached_tokens  # nothing shared: count directly
-                continue
-            ranges = table.live_ranges()
-            for logical_block, block_id in table.held_blocks():
-                first = logical_block * bs
-                mask = 0
-                for start, end in ranges:
-                    lo, hi = max(start, first), min(end, first + bs)
-                    if lo < hi:
-                        mask |= (1 << (hi - first)) - (1 << (lo - first))
-                if ref_count(block_id) == 1:
-                    num_live_slots += bin(mask).count("1")
-                else:
-                    live[block_id] = live.get(block_id, 0) | mask
-        num_live_slots += sum(bin(mask).count("1") for mask in live.values())
-        used = pool.num_used_blocks
-        host_used = self.host_pool.num_used_blocks if self.host_pool is not None else 0
-        states = [seq.state for seq in self._seqs.values()]
-        return ManagerMetrics(
-            num_blocks=pool.num_blocks,
-            num_used_blocks=used,
-            num_free_blocks=pool.num_free_blocks,
-            block_size=bs,
-            block_usage=used / pool.num_blocks,
-            num_live_slots=num_live_slots,
-            num_live_tokens=num_live_tokens,
-            token_occupancy=num_live_slots / (pool.num_blocks * bs),
-            internal_fragmentation=(1 - num_live_slots / (used * bs)) if used else 0.0,
-            num_sequences=len(self._seqs),
-            num_running=states.count(SequenceState.RUNNING),
-            num_swapped=states.count(SequenceState.SWAPPED),
-            num_host_used_blocks=host_used,
-            num_forks=self._counters["forks"],
-            num_copy_on_write=self._counters["copy_on_write"],
-            num_preemptions=self._counters["preemptions"],
-            num_swaps_out=self._counters["swaps_out"],
-            num_swaps_in=self._counters["swaps_in"],
-            num_prefix_queries=self._counters["prefix_queries"],
-            num_prefix_hits=self._counters["prefix_hits"],
-            prefix_hit_rate=(
-                self._counters["prefix_hits"] / self._counters["prefix_queries"]
-                if self._counters["prefix_queries"]
-                else 0.0
-            ),
-            num_cached_blocks=self._prefix.num_cached_blocks if self._prefix else 0,
-            num_cached_free_blocks=pool.allocator.num_cached_free_blocks,
-            num_prefix_evictions=self._prefix.num_evictions if self._prefix else 0,
-            num_resumed_reuse_tokens=self._counters["resumed_reuse"],
-            bytes_per_token=pool.bytes_per_token,
+        cache = self._sharing.cache if self._sharing is not None else None
+        return collect_metrics(
+            self.pool,
+            self.host_pool,
+            [record.state for record in self._seqs.values()],
+            [record.table for record in self._seqs.values() if record.state is SequenceState.RUNNING],
+            self._counters,
+            num_cached_blocks=cache.num_cached_blocks if cache else 0,
+            num_prefix_evictions=cache.num_evictions if cache else 0,
         )
 
     def check_invariants(self) -> None:
@@ -697,11 +624,11 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.host_pool is not None:
             self.host_pool.check_invariants()
-        if self._prefix is not None:
-            self._prefix.check_invariants()
+        if self._sharing is not None:
+            self._sharing.cache.check_invariants()
         bs = self.pool.block_size
         for seq in self._seqs.values():
-            keyed = self._prefix is not None and seq.token_ids is not None
+            keyed = self._sharing is not None and seq.token_ids is not None
             if keyed and seq.state is not SequenceState.PREEMPTED:
                 assert seq.token_ids is not None
                 if len(seq.token_ids) != seq.table.num_tokens:
@@ -716,9 +643,41 @@ class KVCacheManager:
             if seq.state is SequenceState.SWAPPED and self.host_pool is None:
                 raise AssertionError("a swapped sequence without a host pool")
 
+    # ------------------------------------------------------- internal hooks
+
+    def _export_state(self) -> ManagerState:
+        """Everything of this manager that its configuration and pools do not say (copies).
+
+        With ``_restore_state`` this is the manager's internal hook for
+        :mod:`pagedkv.snapshot`; no other module reads its private fields.
+        """
+        cache = self._sharing.cache if self._sharing is not None else None
+        keys, num_evictions = cache._export_state() if cache is not None else ([], 0)
+        return ManagerState(
+            max_abs_key=list(self._max_abs_key),
+            counters=dict(self._counters),
+            records=[record.export_state() for record in self._seqs.values()],
+            prefix_keys=keys,
+            num_prefix_evictions=num_evictions,
+        )
+
+    def _restore_state(self, state: ManagerState) -> None:
+        """Take ``state`` into this new, empty manager whose pools' allocators are already restored.
+
+        The caller (a snapshot load) has validated ``state`` against the pools.
+        """
+        if self._sharing is not None:
+            self._sharing.cache._restore_state(state.prefix_keys, state.num_prefix_evictions)
+        self._max_abs_key = list(state.max_abs_key)
+        self._counters.update(state.counters)
+        bs = self.pool.block_size
+        for record_state in state.records:
+            record = SequenceRecord.from_state(record_state, bs, self.num_sink_tokens)
+            self._seqs[record.seq_id] = record
+
     # ---------------------------------------------------------------- private
 
-    def _get(self, seq_id: Hashable) -> _Sequence:
+    def _get(self, seq_id: Hashable) -> SequenceRecord:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -736,7 +695,7 @@ class KVCacheManager:
         if known:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
 
-    def _check_settled(self, seq: _Sequence, action: str) -> None:
+    def _check_settled(self, seq: SequenceRecord, action: str) -> None:
         if seq.state is not SequenceState.RUNNING:
             raise SequenceStateError(f"cannot {action} sequence {seq.seq_id!r}: it is {seq.state.value}")
         pending = seq.pending_layers()
@@ -765,7 +724,7 @@ class KVCacheManager:
             )
         return array
 
-    def _batch_seqs(self, batch: Batch) -> list[_Sequence]:
+    def _batch_seqs(self, batch: Batch) -> list[SequenceRecord]:
         if not isinstance(batch, Batch):
             raise InputTypeError(f"batch must be a Batch from reserve(), got {type(batch).__name__}")
         seqs = []
@@ -780,120 +739,40 @@ class KVCacheManager:
             seqs.append(seq)
         return seqs
 
-    def _plan(
-        self, pairs: list[tuple[Hashable, int, list[int] | None]]
-    ) -> tuple[ReservationPlan, list[tuple[int, bool, int]]]:
-        allocator = self.pool.allocator
-        bs = self.pool.block_size
+    def _request_records(self, requests: list[Request]) -> list[SequenceRecord]:
+        """Each request's record, every request checked: known, once, settled, a count >= 1."""
         seen: set[Hashable] = set()
-        ref_drops: dict[int, int] = {}
-        steps = []
-        num_new = num_cow = num_released = 0
-        for seq_id, count, _ in pairs:
-            seq = self._get(seq_id)
-            if seq_id in seen:
-                raise DuplicateSequenceError(f"sequence {seq_id!r} appears twice in one reservation")
-            seen.add(seq_id)
-            if count < 1:
-                check_count(f"tokens for sequence {seq_id!r}", count)
-            table = seq.table
+        records = []
+        keyed = self._sharing is not None
+        num_layers = self.pool.num_layers
+        for request in requests:
+            seq = self._get(request.seq_id)
+            if request.seq_id in seen:
+                raise DuplicateSequenceError(
+                    f"sequence {request.seq_id!r} appears twice in one reservation"
+                )
+            seen.add(request.seq_id)
+            if request.num_new_tokens < 1:
+                check_count(f"tokens for sequence {request.seq_id!r}", request.num_new_tokens)
             # Fast path: the last layer written and one layer means settled.
-            settled = seq.state is SequenceState.RUNNING and seq.num_written[-1] == table.num_tokens
-            if not settled or (self.pool.num_layers > 1 and seq.pending_layers()):
+            settled = seq.state is SequenceState.RUNNING and seq.num_written[-1] == seq.table.num_tokens
+            if not settled or (num_layers > 1 and seq.pending_layers()):
                 self._check_settled(seq, "reserve for")
-            window_start = table.window_start
-            if self.max_size is not None:
-                window_start = table.num_tokens + 1 - self.max_size
-                for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
-                    ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
-                    if ref_drops[block_id] == allocator.ref_count(block_id):
-                        num_released += 1
-            copy_on_write = False
-            if table.num_tokens % bs and table.num_blocks:
-                last = table.last_block_id
-                refs = allocator.ref_count(last) - ref_drops.get(last, 0)
-                if refs > 1:
-                    copy_on_write = True
-                    ref_drops[last] = ref_drops.get(last, 0) + 1
-            num_blocks = table.num_new_blocks(count)
-            num_new += num_blocks + copy_on_write
-            num_cow += copy_on_write
-            steps.append((window_start, copy_on_write, num_blocks))
-        num_free = allocator.num_free_blocks
-        plan = ReservationPlan(
-            fits=num_new <= num_free + num_released,
-            num_new_blocks=num_new,
-            num_copy_on_write=num_cow,
-            num_released_blocks=num_released,
-            num_free_blocks=num_free,
+            if keyed and request.token_ids is None and seq.token_ids is not None:
+                raise ConfigError(
+                    f"sequence {request.seq_id!r} caches its blocks by prefix, so its reservations need "
+                    f"token ids ({{{request.seq_id!r}: [17, 4, ...]}}), not a count; or add it with "
+                    "add_sequence(..., cache_blocks=False)"
+                )
+            records.append(seq)
+        return records
+
+    def _plan(self, requests: list[Request], records: list[SequenceRecord]) -> ReservationPlan:
+        return plan_reservation(
+            [record.table for record in records], requests, self.pool.allocator, self.max_size
         )
-        return plan, steps
 
-    def _share_cached_prefix(self, seq: _Sequence, token_ids: list[int], tokens: bytes) -> int:
-        """Share the longest cached run of ``token_ids``' full blocks; return its tokens.
-
-        NOTE: with a sliding window the whole chain is looked up (a key proves
-        its entire prefix), but only the hit blocks the next token's window
-        reaches, and the sink blocks, are shared: blocks that slid out of the
-        window are not needed and stay free for others.
-        """
-        assert self._prefix is not None
-        bs = self.pool.block_size
-        num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
-        keys = block_keys(ROOT_KEY, tokens[: 8 * bs * num_usable], bs, seq.extras, self._hasher)
-        hit = self._prefix.longest_prefix(keys)
-        num_hit = len(hit) * bs
-        if not hit:
-            return 0
-        window_start = self.num_sink_tokens
-        if self.max_size is not None:
-            window_start = max(window_start, num_hit + 1 - self.max_size)
-        window_start = min(window_start, num_hit)
-        num_sink_blocks = min(seq.table.num_sink_blocks, len(hit))
-        first = max(num_sink_blocks, window_start // bs)
-        held = hit[:num_sink_blocks] + hit[first:]
-        allocator = self.pool.allocator
-        for block_id in held:
-            if allocator.ref_count(block_id) == 0:
-                allocator.revive(block_id)
-            else:
-                allocator.share([block_id])
-        seq.table = BlockTable.restored(bs, self.num_sink_tokens, num_hit, window_start, held)
-        seq.num_written = [num_hit] * self.pool.num_layers
-        seq.token_ids = token_ids[:num_hit]
-        seq.block_keys = keys[: len(hit)]
-        return num_hit
-
-    def _key_full_blocks(self, seq: _Sequence) -> None:
-        """Give keys to ``seq``'s blocks that are full and written in every layer."""
-        assert self._prefix is not None
-        if seq.token_ids is None:
-            return
-        bs = self.pool.block_size
-        first = len(seq.block_keys)
-        num_full = min(seq.num_written) // bs
-        if num_full <= first:
-            return
-        parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
-        tokens = token_bytes(seq.token_ids[first * bs : num_full * bs])
-        new_keys = block_keys(parent, tokens, bs, seq.extras, self._hasher)
-        table = seq.table
-        for logical_block, key in enumerate(new_keys, start=first):
-            if logical_block < table.num_sink_blocks or logical_block >= table.first_block_index:
-                self._prefix.register(table.slot(logical_block * bs) // bs, key)
-        seq.block_keys.extend(new_keys)
-
-    def _rekey_restored(self, seq: _Sequence) -> None:
-        """After a swap-in, key the restored full blocks whose keys are free again."""
-        assert self._prefix is not None
-        bs = self.pool.block_size
-        table = seq.table
-        for logical_block, key in enumerate(seq.block_keys):
-            held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
-            if held and self._prefix.block_for(key) is None:
-                self._prefix.register(table.slot(logical_block * bs) // bs, key)
-
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: SequenceRecord) -> None:
         released = seq.table.clear()
         if seq.state is SequenceState.RUNNING:
             self.pool.allocator.free(released)
@@ -901,53 +780,13 @@ class KVCacheManager:
             self._host().allocator.free(released)
 
 
-# NOTE: Mapping is invariant in its key type, so Mapping[Hashable, ...] would refuse a
-# dict[str, int]; Any keys (validated as hashable at run time) accept every dict.
-Requests = Mapping[Any, "int | Sequence[int]"] | Iterable[tuple[Hashable, "int | Sequence[int]"]]
-
-
-def _as_pairs(requests: Requests) -> list[tuple[Hashable, int, list[int] | None]]:
-    """``(seq_id, num_new_tokens, token_ids or None)`` for every request, validated."""
-    try:
-        items = list(requests.items() if isinstance(requests, Mapping) else requests)
-        pairs = [(seq_id, value) for seq_id, value in items]
-    except (TypeError, ValueError) as error:
-        raise InputTypeError(
-            f"requests must be a mapping or (seq_id, num_new_tokens) pairs, got {requests!r}"
-        ) from error
-    if not pairs:
-        raise ConfigError("a reservation needs at least one sequence")
-    result: list[tuple[Hashable, int, list[int] | None]] = []
-    for seq_id, value in pairs:
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            result.append((seq_id, int(value), None))
-            continue
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
-            raise InputTypeError(
-                f"sequence {seq_id!r}: give a token count or a list of token ids, got {value!r}"
-            )
-        token_ids = [int(t) if isinstance(t, np.integer) else t for t in value]
-        token_bytes(token_ids)  # validates
-        result.append((seq_id, len(token_ids), token_ids))
-    return result
-
-
-def _copy_between(source: KVPool, source_ids: list[int], target: KVPool, target_ids: list[int]) -> None:
-    for layer in range(source.num_layers):
-        target.keys(layer)[:, target_ids] = source.keys(layer)[:, source_ids]
-        target.values(layer)[:, target_ids] = source.values(layer)[:, source_ids]
-    source.copy_block_scales(source_ids, target_ids, target)
-
-
-def _check_same_shape(pool: KVPool, host_pool: KVPool) -> None:
-    if not isinstance(host_pool, KVPool):
-        raise InputTypeError(f"host_pool must be a KVPool, got {type(host_pool).__name__}")
-    fields = ("block_size", "num_kv_heads", "head_dim", "num_layers", "dtype", "key_dtype", "value_dtype")
-    for name in fields:
-        if getattr(pool, name) != getattr(host_pool, name):
-            raise ConfigError(
-                f"host_pool.{name}={getattr(host_pool, name)} but the pool's is {getattr(pool, name)}"
-            )
+def _prompt_ids(prompt: object) -> list[int]:
+    """A prompt's token ids as a list, validated (ints in int64 range, non-negative)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | np.ndarray):
+        raise InputTypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
+    token_ids = [int(t) if isinstance(t, np.integer) else t for t in prompt]
+    token_bytes(token_ids)  # validates
+    return token_ids
 
 
 def _preview(items: list[Any], limit: int = 5) -> str:

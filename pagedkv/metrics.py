@@ -7,9 +7,18 @@ them is a known trap (vLLM #57336 saw 66.7% block usage at 36.5% occupancy).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["ManagerMetrics"]
+from pagedkv.block_table import BlockTable
+from pagedkv.occupancy import count_live_slots
+
+if TYPE_CHECKING:
+    from pagedkv.pool import KVPool
+    from pagedkv.sequence import SequenceState
+
+__all__ = ["ManagerMetrics", "collect_metrics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +91,59 @@ class ManagerMetrics:
     def as_dict(self) -> dict[str, float | int]:
         """The metrics as a plain dict (for JSON)."""
         return asdict(self)
+
+
+def collect_metrics(
+    pool: KVPool,
+    host_pool: KVPool | None,
+    states: Sequence[SequenceState],
+    running: Sequence[BlockTable],
+    counters: Mapping[str, int],
+    *,
+    num_cached_blocks: int,
+    num_prefix_evictions: int,
+) -> ManagerMetrics:
+    """The metrics of a manager, from its pools, its sequences' states and tables, and its counters.
+
+    Args:
+        pool: the device pool.
+        host_pool: the host pool, or None.
+        states: every sequence's state.
+        running: the block tables of the running sequences.
+        counters: the manager's event counters.
+        num_cached_blocks: blocks with a prefix key.
+        num_prefix_evictions: prefix keys dropped for reuse so far.
+    """
+    bs = pool.block_size
+    num_live_slots, _ = count_live_slots(running, pool.allocator)
+    used = pool.num_used_blocks
+    num_queries = counters["prefix_queries"]
+    names = [state.value for state in states]
+    return ManagerMetrics(
+        num_blocks=pool.num_blocks,
+        num_used_blocks=used,
+        num_free_blocks=pool.num_free_blocks,
+        block_size=bs,
+        block_usage=used / pool.num_blocks,
+        num_live_slots=num_live_slots,
+        num_live_tokens=sum(table.num_live_tokens for table in running),
+        token_occupancy=num_live_slots / (pool.num_blocks * bs),
+        internal_fragmentation=(1 - num_live_slots / (used * bs)) if used else 0.0,
+        num_sequences=len(states),
+        num_running=names.count("running"),
+        num_swapped=names.count("swapped"),
+        num_host_used_blocks=host_pool.num_used_blocks if host_pool is not None else 0,
+        num_forks=counters["forks"],
+        num_copy_on_write=counters["copy_on_write"],
+        num_preemptions=counters["preemptions"],
+        num_swaps_out=counters["swaps_out"],
+        num_swaps_in=counters["swaps_in"],
+        num_prefix_queries=num_queries,
+        num_prefix_hits=counters["prefix_hits"],
+        prefix_hit_rate=counters["prefix_hits"] / num_queries if num_queries else 0.0,
+        num_cached_blocks=num_cached_blocks,
+        num_cached_free_blocks=pool.allocator.num_cached_free_blocks,
+        num_prefix_evictions=num_prefix_evictions,
+        num_resumed_reuse_tokens=counters["resumed_reuse"],
+        bytes_per_token=pool.bytes_per_token,
+    )

@@ -22,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
-from pagedkv.block_table import BlockTable
+from pagedkv.block_table import BlockTable, ReadPlan
 from pagedkv.pool import KVPool
 from pagedkv.quantization import attend_chunked, attend_chunked_masked
 
-__all__ = ["attend_decode_padded", "attend_sequence", "range_slots", "visible_ranges"]
+__all__ = ["attend_decode_padded", "attend_sequence", "visible_ranges"]
 
 
 def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> list[tuple[int, int]]:
@@ -43,22 +43,6 @@ def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> l
     if position + 1 > start:
         ranges.append((start, position + 1))
     return ranges
-
-
-def range_slots(table: BlockTable, ranges: list[tuple[int, int]]) -> npt.NDArray[np.intp]:
-    """Slots of the held logical indices in ``ranges``, in order (vectorized)."""
-    block_size = table.block_size
-    block_ids = np.array(table.block_ids, np.intp)
-    num_sink_held = table.num_blocks - table.num_window_blocks
-    positions = np.concatenate([np.arange(start, end) for start, end in ranges])
-    logical_block = positions // block_size
-    index = np.where(
-        logical_block < table.num_sink_blocks,
-        logical_block,
-        logical_block - table.first_block_index + num_sink_held,
-    )
-    slots: npt.NDArray[np.intp] = block_ids[index] * block_size + positions % block_size
-    return slots
 
 
 def attend_sequence(
@@ -89,21 +73,18 @@ def attend_sequence(
     quantized = pool.quantized
     if len(queries) == 1:
         visible = visible_ranges(table.num_sink_tokens, window, last)
-        slots = None if visible == held else range_slots(table, visible)
+        plan = table.read_plan(held if visible == held else visible)
         if quantized:
-            codes = (
-                pool.gather_quantized(layer, table)
-                if slots is None
-                else pool.gather_slots_quantized(layer, slots)
-            )
-            return attend_chunked(queries[0], codes[0], codes[1], scale, pool.dtype)[None]
-        keys, values = pool.gather(layer, table) if slots is None else pool.gather_slots(layer, slots)
+            key_codes, value_codes = pool.gather_quantized(layer, plan)
+            return attend_chunked(queries[0], key_codes, value_codes, scale, pool.dtype)[None]
+        keys, values = pool.gather(layer, plan)
         return attend_dense(queries[0], keys, values, scale)[None]
     mask = _prefill_mask(table, held, window, len(queries))
+    plan = table.read_plan(held)
     if quantized:
-        key_codes, value_codes = pool.gather_quantized(layer, table)
+        key_codes, value_codes = pool.gather_quantized(layer, plan)
         return attend_chunked_masked(queries, key_codes, value_codes, mask, scale, pool.dtype)
-    keys, values = pool.gather(layer, table)
+    keys, values = pool.gather(layer, plan)
     return attend_dense_masked(queries, keys, values, mask, scale)
 
 
@@ -152,7 +133,7 @@ def attend_decode_padded(
         ]
         return np.concatenate(outputs)
     slot_lists = [
-        range_slots(table, visible_ranges(table.num_sink_tokens, window, table.num_tokens - 1))
+        table.slot_array(visible_ranges(table.num_sink_tokens, window, table.num_tokens - 1))
         for table in tables
     ]
     lengths = np.array([len(slots) for slots in slot_lists])
@@ -160,6 +141,6 @@ def attend_decode_padded(
     padded = np.zeros((len(tables), width), np.intp)
     for row, slots in enumerate(slot_lists):
         padded[row, : len(slots)] = slots
-    keys, values = pool.gather_slots(layer, padded.ravel())
+    keys, values = pool.gather(layer, ReadPlan(padded.size, slots=padded.ravel()))
     shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
     return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)

@@ -18,13 +18,15 @@ Any other table is gathered into a reusable scratch buffer first.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.block_table import BlockTable
+from pagedkv.block_table import ReadPlan
+from pagedkv.counts import check_count
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.quantization import (
     QuantizedTokens,
@@ -37,7 +39,7 @@ from pagedkv.quantization import (
     write_tokens,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "KVPool"]
+__all__ = ["SUPPORTED_DTYPES", "BlockHolder", "KVPool"]
 
 #: One side of a layer's storage: floats or codes, scales or None, format or None.
 _Side = tuple[npt.NDArray[Any], "npt.NDArray[np.floating] | None", "StorageFormat | None"]
@@ -46,12 +48,16 @@ _Side = tuple[npt.NDArray[Any], "npt.NDArray[np.floating] | None", "StorageForma
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InputTypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+class BlockHolder(Protocol):
+    """Anything that holds blocks of a pool: a block table, or a manager's sequences in one state.
+
+    A pool's ``check_invariants`` asks every attached holder for its block
+    ids and compares the counts with the allocator's ref counts.
+    """
+
+    def held_block_ids(self) -> Iterable[int]:
+        """Every block id held, once per table that holds it."""
+        ...
 
 
 def storage_dtype(dtype: object) -> np.dtype[np.floating]:
@@ -117,11 +123,11 @@ class KVPool:
                 dtype is not float32/float64, or a storage dtype is unknown.
             ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
         """
-        self.block_size = _positive_int("block_size", block_size)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.num_layers = _positive_int("num_layers", num_layers)
-        num_blocks = _positive_int("num_blocks", num_blocks)
+        self.block_size = check_count("block_size", block_size)
+        self.num_kv_heads = check_count("num_kv_heads", num_kv_heads)
+        self.head_dim = check_count("head_dim", head_dim)
+        self.num_layers = check_count("num_layers", num_layers)
+        num_blocks = check_count("num_blocks", num_blocks)
         self.dtype = storage_dtype(dtype)
         self.growable = growable
         #: Storage dtype names of keys and values (None: unquantized, in ``dtype``).
@@ -143,10 +149,10 @@ class KVPool:
         self._value_scales = self._new_scales(self._value_format, num_blocks)
         self._scratch_keys = np.empty(0, self.dtype)
         self._scratch_values = np.empty(0, self.dtype)
-        # Objects holding block tables on this pool, for ``check_invariants``.
-        # Weak, so a cache dropped without close() can be collected and its
-        # finalizer can give its blocks back.
-        self._owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # What holds blocks of this pool, for ``check_invariants``. Weak, so a
+        # cache dropped without close() can be collected and its finalizer
+        # can give its blocks back.
+        self._holders: weakref.WeakValueDictionary[int, BlockHolder] = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- queries
 
@@ -232,85 +238,59 @@ class KVPool:
         return self._values[layer]
 
     def gather(
-        self, layer: int, table: BlockTable
+        self, layer: int, plan: ReadPlan
     ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        """The keys and values ``table`` holds, as ``(num_kv_heads, num_tokens, head_dim)``.
+        """The keys and values ``plan`` reads, as ``(num_kv_heads, plan.num_tokens, head_dim)``.
 
-        Returns a view of the storage when the table's blocks are one run of
-        consecutive ids; otherwise a view of this pool's scratch buffer, which
-        the next ``gather`` overwrites. Read it before gathering again.
+        A plan whose blocks are one run is read as a view of the storage;
+        any other is gathered into this pool's scratch buffer, which the next
+        ``gather`` overwrites: read the result before gathering again.
 
-        A quantized pool returns new arrays of the dequantized values of the
-        table's tokens (attention reads ``gather_quantized`` instead).
+        A quantized pool returns new arrays of the dequantized values
+        (attention reads ``gather_quantized`` instead).
+
+        >>> from pagedkv.block_table import BlockTable
+        >>> pool = KVPool(4, block_size=2, head_dim=1)
+        >>> table = BlockTable(block_size=2)
+        >>> table.append(3, pool.allocator.allocate(2))
+        >>> pool.gather(0, table.read_plan())[0].shape
+        (1, 3, 1)
         """
         if self.quantized:
-            return self._dequantized(self.gather_quantized(layer, table))
+            return self._dequantized(self.gather_quantized(layer, plan))
         keys, values = self._keys[layer], self._values[layer]
-        bs = self.block_size
-        ranges = table.live_ranges()
-        if not ranges:
+        if plan.slots is not None:
+            return self._take(keys, values, plan.slots)
+        bs, lo, hi = self.block_size, plan.offset, plan.offset + plan.num_tokens
+        if not plan.num_tokens:
             empty = np.empty((self.num_kv_heads, 0, self.head_dim), self.dtype)
             return empty, empty
-        num_sink_held = table.num_blocks - table.num_window_blocks
-        if len(ranges) == 1 and ranges[0][0] >= table.num_sink_tokens:
-            start, end = ranges[0]
-            offset = num_sink_held * bs + start - table.first_block_index * bs
-            if table.is_one_run:
-                first_id, num_held = table.first_window_id, table.num_blocks
-                shape = (self.num_kv_heads, num_held * bs, self.head_dim)
-                key_run = keys[:, first_id : first_id + num_held].reshape(shape)
-                value_run = values[:, first_id : first_id + num_held].reshape(shape)
-            else:
-                key_run, value_run = self._take_blocks(keys, values, table.block_ids)
-            return key_run[:, offset : offset + end - start], value_run[:, offset : offset + end - start]
-        # Sinks in front of a window: gather token by token.
-        block_ids = np.array(table.block_ids, np.intp)
-        flat_slots = (block_ids[:, None] * bs + np.arange(bs)).ravel()
-        positions = []
-        for start, end in ranges:
-            if start < table.num_sink_tokens:
-                positions.append(np.arange(start, end))
-            else:
-                base = num_sink_held * bs - table.first_block_index * bs
-                positions.append(np.arange(start + base, end + base))
-        return self._take(keys, values, flat_slots[np.concatenate(positions)])
+        if plan.is_run:
+            first, num = plan.block_ids[0], len(plan.block_ids)
+            shape = (self.num_kv_heads, num * bs, self.head_dim)
+            key_run = keys[:, first : first + num].reshape(shape)
+            value_run = values[:, first : first + num].reshape(shape)
+        else:
+            key_run, value_run = self._take_blocks(keys, values, plan.block_ids)
+        return key_run[:, lo:hi], value_run[:, lo:hi]
 
-    def gather_slots(
-        self, layer: int, slots: npt.NDArray[np.intp]
-    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        """Keys and values at ``slots`` as ``(num_kv_heads, len(slots), head_dim)`` (scratch view).
-
-        A quantized pool returns new arrays of the dequantized values.
-        """
-        if self.quantized:
-            return self._dequantized(self.gather_slots_quantized(layer, slots))
-        return self._take(self._keys[layer], self._values[layer], slots)
-
-    def gather_quantized(self, layer: int, table: BlockTable) -> tuple[Tokens, Tokens]:
-        """The keys and values ``table`` holds, in logical order, as stored.
+    def gather_quantized(self, layer: int, plan: ReadPlan) -> tuple[Tokens, Tokens]:
+        """The keys and values ``plan`` reads, in order, as stored.
 
         Each side is a float array ``(num_kv_heads, num_tokens, head_dim)``, or
         :class:`~pagedkv.quantization.QuantizedTokens` (codes and scales) when
-        that side is quantized. Views of the storage when the table's blocks are
-        one run of consecutive ids, new arrays otherwise. Nothing is dequantized.
+        that side is quantized. Views of the storage when the plan's blocks
+        are one run, new arrays otherwise. Nothing is dequantized.
         """
-        ranges = table.live_ranges()
-        if len(ranges) == 1 and ranges[0][0] >= table.num_sink_tokens and table.is_one_run:
-            bs = self.block_size
-            start, end = ranges[0]
-            lo = start - table.first_block_index * bs
-            first_id, num_held = table.first_window_id, table.num_blocks
-            hi = lo + end - start
-            key_side, value_side = self._sides(layer)
-            return (
-                run_tokens(*key_side, first_id, num_held, lo, hi),
-                run_tokens(*value_side, first_id, num_held, lo, hi),
-            )
-        return self.gather_slots_quantized(layer, self._table_slots(table, ranges))
-
-    def gather_slots_quantized(self, layer: int, slots: npt.NDArray[np.intp]) -> tuple[Tokens, Tokens]:
-        """Keys and values at ``slots``, as stored (see ``gather_quantized``); new arrays."""
         key_side, value_side = self._sides(layer)
+        if plan.slots is None and plan.is_run and plan.num_tokens:
+            first, num = plan.block_ids[0], len(plan.block_ids)
+            lo, hi = plan.offset, plan.offset + plan.num_tokens
+            return (
+                run_tokens(*key_side, first, num, lo, hi),
+                run_tokens(*value_side, first, num, lo, hi),
+            )
+        slots = plan.slot_array(self.block_size)
         return take_tokens(*key_side, slots), take_tokens(*value_side, slots)
 
     # --------------------------------------------------------------- commands
@@ -385,16 +365,38 @@ class KVPool:
                 bigger[:, :old] = array
                 arrays[layer] = bigger
 
-    def attach(self, owner: object) -> None:
-        """Register an object with ``_held_block_ids()`` so invariants can count its tables.
+    def attach(self, holder: BlockHolder) -> None:
+        """Register a :class:`BlockHolder` so ``check_invariants`` counts its blocks.
 
-        The pool keeps only a weak reference: the owner must keep itself alive.
+        The pool keeps only a weak reference: the holder's owner keeps it alive.
         """
-        self._owners[id(owner)] = owner
+        self._holders[id(holder)] = holder
 
-    def detach(self, owner: object) -> None:
-        """Forget an owner registered with ``attach`` (it holds no blocks any more)."""
-        self._owners.pop(id(owner), None)
+    def detach(self, holder: BlockHolder) -> None:
+        """Forget a holder registered with ``attach`` (it holds no blocks any more)."""
+        self._holders.pop(id(holder), None)
+
+    def compact(self, block_ids: list[int]) -> list[int]:
+        """Move the blocks ``block_ids`` to ids ``0 .. k - 1`` in that order; free every other block.
+
+        For a growable pool with one holder (a ``KVCache``'s private pool):
+        the caller renames its table's ids to the returned ones. The pool
+        grows first if the moved blocks and the room to append after them
+        need it (``2 * k + 1`` blocks).
+
+        Raises:
+            ConfigError: the pool is fixed (other holders' ids would move).
+        """
+        if not self.growable:
+            raise ConfigError("only a growable (private) pool can be compacted; its block ids move")
+        num_held = len(block_ids)
+        if self.num_blocks < 2 * num_held + 1:
+            self.grow(2 * num_held + 1 - self.num_blocks)
+        for arrays in (self._keys, self._values, self._key_scales, self._value_scales):
+            for array in arrays:
+                array[:, :num_held] = array[:, block_ids]
+        self.allocator = BlockAllocator(self.num_blocks)
+        return self.allocator.allocate(num_held)
 
     # -------------------------------------------------------------- invariants
 
@@ -402,8 +404,8 @@ class KVPool:
         """Raise ``AssertionError`` if any invariant in the class docstring is broken."""
         self.allocator.check_invariants()
         held = [0] * self.num_blocks
-        for owner in self._owners.values():
-            for block_id in owner._held_block_ids():
+        for holder in self._holders.values():
+            for block_id in holder.held_block_ids():
                 held[block_id] += 1
         for block_id, count in enumerate(held):
             ref_count = self.allocator.ref_count(block_id)
@@ -447,7 +449,7 @@ class KVPool:
         self,
         keys: npt.NDArray[np.floating],
         values: npt.NDArray[np.floating],
-        block_ids: list[int],
+        block_ids: tuple[int, ...],
     ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
         """Gather whole blocks into scratch, as ``(num_kv_heads, len(block_ids) * block_size, head_dim)``."""
         num = len(block_ids)
@@ -468,22 +470,6 @@ class KVPool:
             return []
         shape = (self.num_kv_heads, num_blocks, self.block_size, storage.num_groups)
         return [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-
-    def _table_slots(self, table: BlockTable, ranges: list[tuple[int, int]]) -> npt.NDArray[np.intp]:
-        """Slots of the held logical indices in ``ranges``, in order (as ``gather``'s sink path)."""
-        bs = self.block_size
-        if not ranges:
-            return np.empty(0, np.intp)
-        block_ids = np.array(table.block_ids, np.intp)
-        flat_slots = (block_ids[:, None] * bs + np.arange(bs)).ravel()
-        num_sink_held = table.num_blocks - table.num_window_blocks
-        base = num_sink_held * bs - table.first_block_index * bs
-        positions = [
-            np.arange(start, end) if start < table.num_sink_tokens else np.arange(start + base, end + base)
-            for start, end in ranges
-        ]
-        slots: npt.NDArray[np.intp] = flat_slots[np.concatenate(positions)]
-        return slots
 
     def _sides(self, layer: int) -> tuple[_Side, _Side]:
         """``(storage, scales or None, format or None)`` of layer ``layer``'s keys and of its values."""

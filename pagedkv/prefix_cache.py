@@ -155,6 +155,17 @@ class PrefixCache:
     """
 
     def __init__(self, allocator: BlockAllocator) -> None:
+        """Run prefix caching on ``allocator``'s blocks.
+
+        Raises:
+            ConfigError: another prefix cache already runs on this allocator
+                (two would each drop keys the other owns).
+        """
+        if allocator.on_evict is not None:
+            raise ConfigError(
+                "another prefix cache (another manager with enable_prefix_caching=True) already runs on "
+                "this pool; give each prefix-caching manager a pool of its own"
+            )
         self._allocator = allocator
         allocator.on_evict = self._evicted
         self._block_of: dict[bytes, int] = {}
@@ -206,6 +217,25 @@ class PrefixCache:
             self._allocator.unmark_cached(block_id)
         self._block_of.clear()
         self._key_of.clear()
+
+    def _export_state(self) -> tuple[list[tuple[int, bytes]], int]:
+        """``([(block_id, key), ...] in insertion order, num_evictions)``: the internal snapshot hook.
+
+        Insertion order matters: ``reset`` unmarks blocks in it, which decides
+        the order they rejoin the plain free queue.
+        """
+        return list(self._key_of.items()), self.num_evictions
+
+    def _restore_state(self, keys: list[tuple[int, bytes]], num_evictions: int) -> None:
+        """Take the keys of ``_export_state`` back into this empty cache.
+
+        The allocator's own state (cached marks included) is restored first;
+        the caller checks ``check_invariants`` after.
+        """
+        for block_id, key in keys:
+            self._block_of[key] = block_id
+            self._key_of[block_id] = key
+        self.num_evictions = num_evictions
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""

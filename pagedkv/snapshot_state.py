@@ -580,7 +580,7 @@ def _restore_cache(root: _Reader, tensors: Tensors, limit: int, pool: KVPool | N
         _fail("the cache's pool disagrees with its block_size, dtype or storage dtypes, or has many layers")
     table = _table(config.child("table"), block_size, 0, plan.num_blocks if plan else 0)
     if max_size is not None and (table.num_blocks > -(-max_size // block_size) + 1
-                                 or table.num_cached_tokens > max_size):
+                                 or table.num_live_tokens > max_size):
         _fail(f"{config.where}.table holds more than max_size={max_size} allows")
     if kv_shape is not None:
         heads = tuple(_ints(kv_shape, f"{config.where}.kv_shape", 1))

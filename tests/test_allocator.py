@@ -17,14 +17,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedkv.allocator
+import pagedkv.counts
+import pagedkv.errors
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import (
+    BlockStateError,
     ConfigError,
     DoubleFreeError,
+    InputTypeError,
     PagedKVError,
     PoolExhaustedError,
     UnknownBlockError,
 )
+from pagedkv.pool import KVPool
 
 
 def state(alloc: BlockAllocator) -> tuple[list[int], list[int]]:
@@ -164,7 +169,11 @@ def test_allocator_deals_in_ints_only_and_never_imports_numpy() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert "numpy" not in imported
-    assert imported <= {"__future__", "collections", "pagedkv", "typing"}
+    assert imported <= {"__future__", "collections", "dataclasses", "pagedkv", "typing"}
+    # ... nor do the pagedkv modules it imports (its errors and count checks).
+    for module in (pagedkv.counts, pagedkv.errors):
+        source = inspect.getsource(module)
+        assert "import numpy" not in source and "from numpy" not in source, module.__name__
 
 
 # ------------------------------------------------------------------ bad input
@@ -193,13 +202,13 @@ BAD_CALLS: list[tuple[str, Callable[[BlockAllocator], Any], type[PagedKVError], 
     ("id a bool", lambda a: a.free([True]), UnknownBlockError, LookupError, "True"),
     ("ref_count of unknown id", lambda a: a.ref_count(4), UnknownBlockError, LookupError,
      "block id 4"),
-    ("share a free block", lambda a: a.share([3]), DoubleFreeError, RuntimeError, "block 3"),
-    ("share used then free", lambda a: a.share([0, 3]), DoubleFreeError, RuntimeError, "block 3"),
+    ("share a free block", lambda a: a.share([3]), BlockStateError, RuntimeError, "block 3"),
+    ("share used then free", lambda a: a.share([0, 3]), BlockStateError, RuntimeError, "block 3"),
     ("share unknown id", lambda a: a.share([0, 8]), UnknownBlockError, LookupError, "block id 8"),
     ("exhausted allocate", lambda a: a.allocate(3), PoolExhaustedError, MemoryError,
      "need 3 blocks, 2 free of 4"),
     ("negative allocate", lambda a: a.allocate(-1), ConfigError, ValueError, "-1"),
-    ("float allocate", lambda a: a.allocate(1.0), ConfigError, ValueError, "1.0"),
+    ("float allocate", lambda a: a.allocate(1.0), InputTypeError, TypeError, "1.0"),
     ("grow by zero", lambda a: a.grow(0), ConfigError, ValueError, "got 0"),
 ]
 
@@ -240,12 +249,23 @@ def test_allocate_one_on_an_empty_queue_raises_and_changes_nothing() -> None:
     assert state(alloc) == ([], [1])
 
 
-@pytest.mark.parametrize("num_blocks", [0, -3, True, 2.0, "4", None])
-def test_bad_num_blocks_is_a_config_error(num_blocks: Any) -> None:
-    with pytest.raises(ConfigError, match="num_blocks must be a positive int") as info:
+@pytest.mark.parametrize("num_blocks", [0, -3])
+def test_too_few_blocks_is_a_config_error(num_blocks: int) -> None:
+    with pytest.raises(ConfigError, match="num_blocks must be an int >= 1") as info:
         BlockAllocator(num_blocks)
     assert isinstance(info.value, ValueError)
     assert repr(num_blocks) in str(info.value)
+
+
+@pytest.mark.parametrize("num_blocks", [True, 2.0, "4", None])
+def test_num_blocks_of_another_type_is_an_input_type_error_as_in_the_pool(num_blocks: Any) -> None:
+    # The same mistake raises the same error, with the same message, at every layer.
+    with pytest.raises(InputTypeError, match="num_blocks must be an int >= 1") as allocator_error:
+        BlockAllocator(num_blocks)
+    with pytest.raises(InputTypeError) as pool_error:
+        KVPool(num_blocks, head_dim=1)
+    assert str(allocator_error.value) == str(pool_error.value)
+    assert repr(num_blocks) in str(allocator_error.value)
 
 
 # -------------------------------------------------------------- property test
@@ -285,7 +305,7 @@ def test_allocator_agrees_with_a_dict_of_ref_counts(
             alloc.grow(arg)
         elif not used:
             # nothing is used, so block 0 is free: freeing or sharing it is an error
-            with pytest.raises(DoubleFreeError):
+            with pytest.raises(BlockStateError):  # DoubleFreeError when freed
                 getattr(alloc, op)([0])
         else:
             block_id = used[arg % len(used)]

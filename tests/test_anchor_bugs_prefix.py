@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from prefix_support import Runner, from_scratch, key_chain, make, prefix_of
+from support.prefix import Runner, from_scratch, key_chain, make, prefix_of
 
 from pagedkv import SequenceState, SequenceStateError
 

@@ -18,7 +18,7 @@ def test_empty_table() -> None:
     assert table.block_ids == []
     assert table.num_blocks == 0
     assert table.num_tokens == 0
-    assert table.num_cached_tokens == 0
+    assert table.num_live_tokens == 0
     assert table.live_ranges() == []
     table.check_invariants()
 
@@ -74,7 +74,7 @@ def test_evict_to_frees_a_block_only_once_every_token_in_it_is_evicted() -> None
     assert table.evict_to(3) == []
     # time 1:        - - - x | x x x x | x x . .   b0 still holds index 3
     assert table.block_ids == [0, 1, 2]
-    assert table.num_cached_tokens == 7
+    assert table.num_live_tokens == 7
     assert table.evict_to(4) == [0]
     # time 2:        (freed) | x x x x | x x . .
     assert table.block_ids == [1, 2]
@@ -100,7 +100,7 @@ def test_evict_to_never_moves_the_window_backwards_or_past_the_end() -> None:
     # time 2:        (freed) (freed) | - .
     assert table.evict_to(99) == [1]
     assert table.window_start == 5
-    assert table.num_cached_tokens == 0
+    assert table.num_live_tokens == 0
     assert table.block_ids == [2]
     table.check_invariants()
     assert table.num_new_blocks(1) == 0
@@ -185,7 +185,7 @@ def test_sink_tokens_are_never_evicted() -> None:
     # index 0 held (sink) | freed | 4 5
     assert table.block_ids == [0, 2]
     assert table.live_ranges() == [(0, 1), (4, 6)]
-    assert table.num_cached_tokens == 3
+    assert table.num_live_tokens == 3
     assert table.slot(0) == 0
     assert table.slot(5) == 5
     table.check_invariants()
@@ -238,7 +238,7 @@ def test_table_holds_exactly_the_logical_blocks_of_its_window(
             del where[logical_block]
         table.check_invariants()
         num_tokens = table.num_tokens
-        assert table.num_cached_tokens == num_tokens - window_start
+        assert table.num_live_tokens == num_tokens - window_start
         # Held: the logical block of window_start up to the one holding the newest
         # token. A block whose tokens are all evicted but which still has free
         # slots for the next tokens stays (it is the newest block).

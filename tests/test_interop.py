@@ -148,7 +148,7 @@ def test_csr_last_page_len_is_always_between_1_and_block_size(
             offset = int(csr.kv_first_page_offset[i])
             assert 0 <= offset < block_size
             # the pages hold exactly the tokens the sequence still holds
-            assert (len(pages) - 1) * block_size + last - offset == table.num_cached_tokens
+            assert (len(pages) - 1) * block_size + last - offset == table.num_live_tokens
         m.check_invariants()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.managers import make_manager, manager_state
 
 from pagedkv import (
     Batch,
@@ -30,7 +31,6 @@ from pagedkv import (
     DuplicateSequenceError,
     InputTypeError,
     KVCacheManager,
-    KVPool,
     LayerIndexError,
     NonFiniteError,
     PagedKVError,
@@ -42,6 +42,7 @@ from pagedkv import (
 )
 
 L, HKV, HQ, D, BS = 2, 2, 4, 3, 4
+SHAPE = {"block_size": BS, "num_kv_heads": HKV, "head_dim": D, "num_layers": L}
 
 
 def arrays(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -71,10 +72,7 @@ class World:
 
 def build(*, host: bool = True, fill: bool = False, window: int | None = None) -> World:
     """The standard state above; ``fill`` adds ``g``, which takes every free device block."""
-    shape = dict(block_size=BS, num_kv_heads=HKV, head_dim=D, num_layers=L)
-    pool = KVPool(12, **shape)
-    host_pool = KVPool(2, **shape) if host else None
-    m = KVCacheManager(pool, num_q_heads=HQ, host_pool=host_pool, max_size=window)
+    m = make_manager(12, host_blocks=2 if host else 0, **SHAPE, num_q_heads=HQ, max_size=window)
     rng = np.random.default_rng(2024)
     for s in "abcdef":
         if s != "c":
@@ -104,32 +102,6 @@ def build(*, host: bool = True, fill: bool = False, window: int | None = None) -
     return World(m, rng, pending, kvq, last)
 
 
-def snapshot(m: KVCacheManager) -> dict[str, Any]:
-    def pool_state(pool: KVPool | None) -> Any:
-        if pool is None:
-            return None
-        allocator = pool.allocator
-        storage = [
-            pool.keys(layer).tobytes() + pool.values(layer).tobytes() for layer in range(pool.num_layers)
-        ]
-        return (
-            allocator.free_block_ids(),
-            [allocator.ref_count(i) for i in range(allocator.num_blocks)],
-            storage,
-        )
-
-    tables = {}
-    for s in m.seq_ids:
-        table = m.block_table(s)
-        tables[s] = (m.state(s), table.block_ids, table.num_tokens, table.window_start)
-    return {
-        "device": pool_state(m.pool),
-        "host": pool_state(m.host_pool),
-        "tables": tables,
-        "metrics": m.metrics(),
-    }
-
-
 def continue_world(w: World) -> list[np.ndarray]:
     """Finish the pending layer, then one step for every running, settled sequence."""
     outs = []
@@ -154,17 +126,35 @@ def assert_refused(
 ) -> None:
     """``action`` raises ``error`` (a PagedKVError) whose message holds ``fragment``; nothing changes."""
     world, twin = build(**build_kwargs), build(**build_kwargs)
-    assert snapshot(world.m) == snapshot(twin.m)
+    assert manager_state(world.m) == manager_state(twin.m)
     with pytest.raises(error, match=fragment) as info:
         action(world)
     assert isinstance(info.value, PagedKVError)
-    assert snapshot(world.m) == snapshot(twin.m)
+    assert manager_state(world.m) == manager_state(twin.m)
     world.m.check_invariants()
     outs, twin_outs = continue_world(world), continue_world(twin)
     assert len(outs) == len(twin_outs) > 0
     for a, b in zip(outs, twin_outs):
         assert np.array_equal(a, b)
-    assert snapshot(world.m) == snapshot(twin.m)
+    assert manager_state(world.m) == manager_state(twin.m)
+
+
+def assert_refused_after(
+    setup: Callable[[World], Any],
+    call: Callable[[World, Any], object],
+    error: type[Exception],
+    fragment: str,
+) -> None:
+    """After ``setup(world)`` (which may change it), ``call(world, what setup returned)`` raises
+    ``error`` whose message holds ``fragment``, and changes nothing."""
+    world = build()
+    context = setup(world)
+    before = manager_state(world.m)
+    with pytest.raises(error, match=fragment) as info:
+        call(world, context)
+    assert isinstance(info.value, PagedKVError)
+    assert manager_state(world.m) == before
+    world.m.check_invariants()
 
 
 def kv(n: int, heads: int = HKV, dim: int = D) -> np.ndarray:
@@ -199,18 +189,6 @@ def test_unknown_sequence_error_is_a_lookup_error() -> None:
         world.m.free("zz")
 
 
-def _free_then(action: Callable[[KVCacheManager], object]) -> Callable[[World], object]:
-    def run(w: World) -> object:
-        w.m.free("b")
-        snap = snapshot(w.m)
-        try:
-            return action(w.m)
-        finally:
-            assert snapshot(w.m) == snap
-
-    return run
-
-
 FREED_ID_ACTIONS: dict[str, Callable[[KVCacheManager], object]] = {
     "free_twice": lambda m: m.free("b"),
     "reserve": lambda m: m.reserve({"b": 1}),
@@ -222,21 +200,18 @@ FREED_ID_ACTIONS: dict[str, Callable[[KVCacheManager], object]] = {
 
 @pytest.mark.parametrize("action", FREED_ID_ACTIONS.values(), ids=FREED_ID_ACTIONS.keys())
 def test_freed_sequence_id_is_refused_and_nothing_changes(action: Callable[[KVCacheManager], object]) -> None:
-    world = build()
-    with pytest.raises(UnknownSequenceError, match="no sequence 'b'"):
-        _free_then(action)(world)
-    world.m.check_invariants()
+    assert_refused_after(
+        lambda w: w.m.free("b"), lambda w, _: action(w.m), UnknownSequenceError, "no sequence 'b'"
+    )
 
 
 def test_stale_batch_of_a_freed_sequence_is_refused() -> None:
-    def action(w: World) -> None:
-        w.m.free("b")
-        assert w.last is not None
-        w.m.attend(0, w.last, np.ones((1, HQ, D)))
-
-    world = build()
-    with pytest.raises(SequenceStateError, match="no longer reserved"):
-        action(world)
+    assert_refused_after(
+        lambda w: w.m.free("b"),
+        lambda w, _: w.m.attend(0, w.last, np.ones((1, HQ, D))),
+        SequenceStateError,
+        "no longer reserved",
+    )
 
 
 @pytest.mark.parametrize("seq_id", ["a", "d", "e", "f"])
@@ -326,30 +301,25 @@ def test_writing_a_layer_twice_is_refused() -> None:
 
 def test_writing_a_stale_batch_is_refused() -> None:
     # last reserved b's token 3 and every layer wrote it; b reserved again since
-    def action(w: World) -> None:
-        stale = w.last
-        assert stale is not None
+    def reserve_again(w: World) -> None:
         w.m.free("f")  # leaves no pending layer; b may reserve again
         fresh = w.m.reserve({"b": 1})
         for layer in range(L):
             w.m.write(layer, fresh, kv(1), kv(1))
-        snap = snapshot(w.m)
-        try:
-            w.m.write(0, stale, kv(1), kv(1))
-        finally:
-            assert snapshot(w.m) == snap
 
-    world = build()
-    with pytest.raises(SequenceStateError, match="no longer reserved"):
-        action(world)
-    world.m.check_invariants()
+    assert_refused_after(
+        reserve_again,
+        lambda w, _: w.m.write(0, w.last, kv(1), kv(1)),
+        SequenceStateError,
+        "no longer reserved",
+    )
 
 
 def test_writing_a_batch_from_another_manager_is_refused() -> None:
     # both managers stamp their first reservation; a batch of one must never
     # write slots the other never reserved (block 1 belongs to no one here)
     def action(w: World) -> None:
-        other = KVCacheManager(KVPool(4, block_size=BS, num_kv_heads=HKV, head_dim=D, num_layers=L))
+        other = make_manager(4, **SHAPE)
         other.add_sequence("b")
         foreign = other.reserve({"b": 7})
         w.m.write(0, foreign, kv(7), kv(7))
@@ -363,19 +333,19 @@ def test_batch_of_a_twin_manager_with_the_same_stamps_is_refused() -> None:
     # slots (block 1 is free in m). Writing it would mark 5 tokens written
     # of 3 reserved and store k/v in a free block.
     def fresh() -> KVCacheManager:
-        m = KVCacheManager(KVPool(4, block_size=BS, num_kv_heads=HKV, head_dim=D, num_layers=L))
+        m = make_manager(4, **SHAPE)
         m.add_sequence("a")
         return m
 
     m, other = fresh(), fresh()
     m.reserve({"a": 3})
     foreign = other.reserve({"a": 5})
-    before = snapshot(m)
+    before = manager_state(m)
     with pytest.raises(SequenceStateError, match="no longer reserved"):
         m.write(0, foreign, kv(5), kv(5))
     with pytest.raises(SequenceStateError, match="no longer reserved"):
         m.attend(0, foreign, np.ones((5, HQ, D)))
-    assert snapshot(m) == before
+    assert manager_state(m) == before
     m.check_invariants()
 
 
@@ -390,18 +360,12 @@ def test_tampered_batch_is_refused() -> None:
 
 
 def test_batch_of_a_preempted_sequence_is_refused() -> None:
-    def action(w: World) -> None:
-        w.m.preempt("f")
-        snap = snapshot(w.m)
-        try:
-            w.m.write(1, w.pending, kv(2), kv(2))
-        finally:
-            assert snapshot(w.m) == snap
-
-    world = build()
-    with pytest.raises(SequenceStateError, match="no longer reserved"):
-        action(world)
-    world.m.check_invariants()
+    assert_refused_after(
+        lambda w: w.m.preempt("f"),
+        lambda w, _: w.m.write(1, w.pending, kv(2), kv(2)),
+        SequenceStateError,
+        "no longer reserved",
+    )
 
 
 # ------------------------------------------------------- attend too early
@@ -415,19 +379,16 @@ def test_attending_before_write_is_refused() -> None:
 def test_attending_a_sequence_with_no_tokens_is_refused() -> None:
     # a fresh sequence has nothing to attend: its batch exists only after
     # reserve, and until write there are no k/v in any layer
-    def action(w: World) -> None:
+    def reserve_fresh(w: World) -> Batch:
         w.m.add_sequence("h")
-        batch = w.m.reserve({"h": 1})
-        snap = snapshot(w.m)
-        try:
-            w.m.attend(0, batch, np.ones((1, HQ, D)))
-        finally:
-            assert snapshot(w.m) == snap
+        return w.m.reserve({"h": 1})
 
-    world = build()
-    with pytest.raises(SequenceStateError, match="no k/v written in layer 0"):
-        action(world)
-    world.m.check_invariants()
+    assert_refused_after(
+        reserve_fresh,
+        lambda w, batch: w.m.attend(0, batch, np.ones((1, HQ, D))),
+        SequenceStateError,
+        "no k/v written in layer 0",
+    )
 
 
 def test_unknown_attend_method_is_refused() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv.block_table import BlockTable
+from pagedkv.block_table import BlockTable, ReadPlan
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError
 from pagedkv.pool import KVPool
 
@@ -22,16 +22,6 @@ def fill(pool: KVPool, table: BlockTable, num_tokens: int, start: float = 0.0) -
         block_id, offset = divmod(table.slot(index), pool.block_size)
         value = np.full(shape, start + index)
         pool.write_one(0, block_id, offset, value, -value)
-
-
-class Holder:
-    """A minimal owner for ``KVPool.attach``: it holds the blocks of one table."""
-
-    def __init__(self, table: BlockTable) -> None:
-        self.table = table
-
-    def _held_block_ids(self) -> list[int]:
-        return self.table.block_ids
 
 
 def test_storage_layout_and_sizes() -> None:
@@ -65,7 +55,7 @@ def test_gather_of_one_run_is_a_view_of_storage() -> None:
     table = BlockTable(2)
     fill(pool, table, 3)
     # table [b0, b1] is one run: head plane |0 1|2 .|  -> view of 3 tokens
-    keys, values = pool.gather(0, table)
+    keys, values = pool.gather(0, table.read_plan())
     assert keys.shape == (1, 3, 1)
     assert keys[0, :, 0].tolist() == [0.0, 1.0, 2.0]
     assert values[0, :, 0].tolist() == [-0.0, -1.0, -2.0]
@@ -80,7 +70,7 @@ def test_gather_of_scattered_blocks_copies_in_logical_order() -> None:
     fill(pool, table, 6)
     # logical block 0 1 2 -> b2 b3 b0: not one run, so gathered into scratch
     assert table.block_ids == [2, 3, 0]
-    keys, values = pool.gather(0, table)
+    keys, values = pool.gather(0, table.read_plan())
     assert keys.shape == (2, 6, 2)
     assert keys[1, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert values[0, :, 1].tolist() == [-0.0, -1.0, -2.0, -3.0, -4.0, -5.0]
@@ -96,13 +86,13 @@ def test_gather_starts_mid_block_after_eviction() -> None:
     # state          (freed)   - x x .     window_start 5
     assert released == [0]
     pool.allocator.free(released)
-    keys, _ = pool.gather(0, table)
+    keys, _ = pool.gather(0, table.read_plan())
     assert keys[0, :, 0].tolist() == [5.0, 6.0]
 
 
 def test_gather_of_an_empty_table_is_empty() -> None:
     pool = KVPool(2, block_size=2, num_kv_heads=3, head_dim=2)
-    keys, values = pool.gather(0, BlockTable(2))
+    keys, values = pool.gather(0, BlockTable(2).read_plan())
     assert keys.shape == values.shape == (3, 0, 2)
 
 
@@ -111,7 +101,7 @@ def test_gather_slots_and_write_many() -> None:
     slots = np.array([5, 0, 3], np.intp)
     keys = np.array([[[1.0]], [[2.0]], [[3.0]]])  # (n, num_kv_heads, head_dim)
     pool.write(0, slots, keys, 10 * keys)
-    got_keys, got_values = pool.gather_slots(0, slots)
+    got_keys, got_values = pool.gather(0, ReadPlan(len(slots), slots=slots))
     assert got_keys[0, :, 0].tolist() == [1.0, 2.0, 3.0]
     assert got_values[0, :, 0].tolist() == [10.0, 20.0, 30.0]
     assert pool.keys(0)[0, 2, 1, 0] == 1.0  # slot 5 = block 2, offset 1
@@ -129,13 +119,12 @@ def test_grow_keeps_contents_and_ids_and_adds_free_blocks() -> None:
     pool = KVPool(2, block_size=2, head_dim=1, growable=True)
     table = BlockTable(2)
     fill(pool, table, 4, start=1.0)
-    holder = Holder(table)  # the pool holds owners weakly: keep it alive
-    pool.attach(holder)
+    pool.attach(table)  # a table is a BlockHolder; the pool holds it weakly
     pool.grow(3)
     assert pool.num_blocks == 5
     assert pool.keys(0).shape == (1, 5, 2, 1)
     assert pool.allocator.free_block_ids() == [2, 3, 4]
-    keys, _ = pool.gather(0, table)
+    keys, _ = pool.gather(0, table.read_plan())
     assert keys[0, :, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
     pool.check_invariants()
 
@@ -144,14 +133,13 @@ def test_check_invariants_counts_the_block_tables_of_attached_owners() -> None:
     pool = KVPool(3, block_size=1, head_dim=1)
     table = BlockTable(1)
     fill(pool, table, 2)
-    holder = Holder(table)
-    pool.attach(holder)
+    pool.attach(table)
     pool.check_invariants()
     pool.allocator.share([0])  # a reference no block table accounts for
     with pytest.raises(AssertionError, match="block 0 has ref count 2 but 1 block tables"):
         pool.check_invariants()
     pool.allocator.free([0])
-    pool.detach(holder)
+    pool.detach(table)
     # Detached, the owner's blocks look leaked: ref count 1, held by nobody.
     with pytest.raises(AssertionError, match="ref count 1 but 0 block tables"):
         pool.check_invariants()
@@ -160,12 +148,12 @@ def test_check_invariants_counts_the_block_tables_of_attached_owners() -> None:
 # ------------------------------------------------------------------ bad input
 
 BAD_POOLS: list[tuple[str, dict[str, Any], type[PagedKVError], type, str]] = [
-    ("no blocks", {"num_blocks": 0}, ConfigError, ValueError, "num_blocks must be a positive int, got 0"),
+    ("no blocks", {"num_blocks": 0}, ConfigError, ValueError, "num_blocks must be an int >= 1, got 0"),
     ("negative blocks", {"num_blocks": -1}, ConfigError, ValueError, "got -1"),
     ("bool blocks", {"num_blocks": True}, InputTypeError, TypeError, "got True"),
-    ("block_size 0", {"block_size": 0}, ConfigError, ValueError, "block_size must be a positive int"),
+    ("block_size 0", {"block_size": 0}, ConfigError, ValueError, "block_size must be an int >= 1"),
     ("float block_size", {"block_size": 2.0}, InputTypeError, TypeError, "got 2.0"),
-    ("head_dim 0", {"head_dim": 0}, ConfigError, ValueError, "head_dim must be a positive int"),
+    ("head_dim 0", {"head_dim": 0}, ConfigError, ValueError, "head_dim must be an int >= 1"),
     ("string head_dim", {"head_dim": "2"}, InputTypeError, TypeError, "got '2'"),
     ("no kv heads", {"num_kv_heads": 0}, ConfigError, ValueError, "num_kv_heads"),
     ("no layers", {"num_layers": 0}, ConfigError, ValueError, "num_layers"),

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from prefix_support import SHA256, Runner, key_chain, kv_of, make, prefix_of
+from support.prefix import SHA256, Runner, key_chain, kv_of, make, prefix_of
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
@@ -305,13 +305,30 @@ def test_a_hit_shares_blocks_by_ref_count_and_the_caller_writes_only_the_rest() 
     assert prefix_of(manager).block_for(key_chain([1, 2, 3, 4, 7, 8])[2]) == 3
 
 
-def test_a_count_reservation_stops_keying_that_sequence() -> None:
+def test_a_count_reservation_of_a_keyed_sequence_is_refused_and_changes_nothing() -> None:
     manager = make()
     manager.add_sequence("a", [1, 2, 3, 4])
+    before = (manager.pool.allocator.free_block_ids(), manager.block_table("a").block_ids)
+    with pytest.raises(ConfigError, match="caches its blocks by prefix.*cache_blocks=False"):
+        manager.reserve({"a": 4})  # a count: keying would silently stop for this sequence
+    assert (manager.pool.allocator.free_block_ids(), manager.block_table("a").block_ids) == before
+    manager.check_invariants()
+
+
+def test_a_sequence_added_with_cache_blocks_false_reserves_by_count_and_is_never_keyed() -> None:
+    manager = make()
+    manager.add_sequence("a", [1, 2, 3, 4], cache_blocks=False)
     batch = manager.reserve({"a": 4})  # counts, not token ids: the contents are unknown
     manager.write(0, batch, np.ones((4, 1, 2)), np.ones((4, 1, 2)))
     assert manager.metrics().num_cached_blocks == 0
     manager.check_invariants()
+
+
+def test_cache_blocks_must_be_a_bool() -> None:
+    manager = make()
+    with pytest.raises(InputTypeError, match="cache_blocks must be True or False"):
+        manager.add_sequence("a", [1, 2], cache_blocks=1)  # type: ignore[arg-type]
+    assert "a" not in manager
 
 
 def test_with_a_window_only_the_blocks_the_next_token_sees_are_shared() -> None:

@@ -51,6 +51,7 @@ from hypothesis.stateful import (
 )
 
 import pagedkv.cache
+import pagedkv.paged_attention
 import pagedkv.quantization as quantization
 from pagedkv import KVCache, KVCacheManager, KVPool, reference
 from pagedkv.attention import attend_dense
@@ -480,7 +481,7 @@ def test_the_machine_catches_a_kernel_that_ignores_the_chunks(monkeypatch: pytes
 
         return attend_dense(query, floats(keys), floats(values), scale)
 
-    monkeypatch.setattr(pagedkv.cache, "attend_chunked", whole_window)
+    monkeypatch.setattr(pagedkv.paged_attention, "attend_chunked", whole_window)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(QuantizedCaches, settings=hunt())
 

@@ -36,7 +36,7 @@ from pagedkv.simulate import (
     sweep,
     synthetic,
 )
-from pagedkv.simulate.engine import _Live
+from pagedkv.simulate.requests import RequestState
 from pagedkv.simulate.progress import Progress
 
 # ----------------------------------------------------------------- workloads
@@ -310,18 +310,22 @@ def test_bookkeeping_agrees_with_the_manager_at_every_step(case: str) -> None:
     assert result.num_samples == result.num_steps
 
 
-def test_the_consistency_check_catches_a_leaked_sequence() -> None:
-    class Leaky(PagedEngine):
-        def _finish(self, finished: list[_Live], step: int) -> None:
-            for live in finished:
-                if live.state == 1 and live.finish_step == step:  # running
-                    live.seq_ids.pop()  # forget one sequence without freeing it
-            super()._finish(finished, step)
-
+def test_the_consistency_check_catches_a_leaked_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     workload = synthetic("alpaca", 6, seed=0, n=2)
     config = SimConfig(Budget(256), block_size=4, check_every_step=True)
+    engine = PagedEngine(workload, config)
+    schedule = engine.schedule
+    finish = schedule.finish
+
+    def leaky_finish(step: int) -> None:
+        for live in schedule.running:
+            if live.state is RequestState.RUNNING and live.finish_step == step:
+                live.seq_ids.pop()  # forget one sequence without freeing it
+        finish(step)
+
+    monkeypatch.setattr(schedule, "finish", leaky_finish)
     with pytest.raises(AssertionError, match="the manager knows"):
-        Leaky(workload, config).run()
+        engine.run()
 
 
 # ------------------------------------------------------- contiguous baseline

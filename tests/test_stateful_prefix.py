@@ -63,7 +63,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import pagedkv.manager
+import pagedkv.prefix_sharing
 from pagedkv import KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import (
     DuplicateSequenceError,
@@ -79,6 +79,7 @@ from pagedkv.prefix_cache import (
     hash_function,
     token_bytes,
 )
+from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.testing.oracle import attend as oracle_attend
 from pagedkv.testing.oracle import within_tolerance
 
@@ -110,7 +111,7 @@ def visible(position: int, window: int | None, num_sink_tokens: int) -> list[int
 
 def prefix_of(manager: KVCacheManager) -> PrefixCache:
     """The manager's prefix cache (private: the tests read its maps directly)."""
-    prefix = manager._prefix
+    prefix = manager.prefix_cache
     assert prefix is not None
     return prefix
 
@@ -590,8 +591,8 @@ TestPrefixCaching.settings = settings(
 
 def _planted(block_keys_impl: Any) -> None:
     """Run the machine against a manager whose block keys come from ``block_keys_impl``."""
-    original = pagedkv.manager.block_keys
-    pagedkv.manager.block_keys = block_keys_impl
+    original = pagedkv.prefix_sharing.block_keys
+    pagedkv.prefix_sharing.block_keys = block_keys_impl
     try:
         run_state_machine_as_test(
             PrefixCachingMachine,
@@ -605,7 +606,7 @@ def _planted(block_keys_impl: Any) -> None:
             ),
         )
     finally:
-        pagedkv.manager.block_keys = original
+        pagedkv.prefix_sharing.block_keys = original
 
 
 def test_machine_catches_unchained_keys() -> None:
@@ -625,14 +626,14 @@ def test_machine_catches_unchained_keys() -> None:
 
 def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
     """Planted bug: the lookup may report every full block of the prompt (nano-vllm #144)."""
-    original = pagedkv.manager.KVCacheManager._share_cached_prefix
+    original = pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix
 
-    def greedy(self: KVCacheManager, seq: Any, token_ids: list[int], tokens: bytes) -> int:
+    def greedy(self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes) -> int:
         return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]))
 
-    pagedkv.manager.KVCacheManager._share_cached_prefix = greedy  # type: ignore[method-assign]
+    pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix = greedy  # type: ignore[method-assign]
     try:
         with pytest.raises(AssertionError):
             _planted(block_keys)
     finally:
-        pagedkv.manager.KVCacheManager._share_cached_prefix = original  # type: ignore[method-assign]
+        pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix = original  # type: ignore[method-assign]

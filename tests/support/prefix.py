@@ -1,4 +1,4 @@
-"""Helpers shared by the prefix-caching tests: a manager, k/v of a whole prefix, a runner.
+"""Prefix-caching helpers: k/v of a whole prefix, block keys, a manager and a runner.
 
 k/v of a token are a function of its whole prefix (and the layer), as in a real
 model; see ``tests/test_stateful_prefix.py`` for why a (token id, position)
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
 import numpy as np
 
-from pagedkv import KVCacheManager, KVPool
+from pagedkv import KVCacheManager
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
@@ -22,29 +23,39 @@ from pagedkv.prefix_cache import (
     hash_function,
     token_bytes,
 )
+from support.managers import make_manager
 
 SHA256 = hash_function("sha256")
 
 
+@cache
 def kv_of(prefix: tuple[int, ...], layer: int, num_kv_heads: int = 1, head_dim: int = 2) -> np.ndarray:
-    """``(3, num_kv_heads, head_dim)`` q, k, v of the last token of ``prefix``: a function of
-    the whole prefix, as in a real model (see ``tests/test_stateful_prefix.py``)."""
+    """``(3, num_kv_heads, head_dim)`` q, k, v of the last token of ``prefix`` in ``layer``.
+
+    Small exact floats (multiples of 1/64 in [-2, 2]) drawn from a hash of the
+    whole prefix: a stand-in for a model whose k/v depend on every earlier
+    token. Cached, so the array is read-only.
+    """
     size = 3 * num_kv_heads * head_dim
     digest = hashlib.blake2b(repr((prefix, layer)).encode(), digest_size=size).digest()
-    return ((np.frombuffer(digest, np.uint8).astype(np.float64) - 128.0) / 64.0).reshape(
-        3, num_kv_heads, head_dim
-    )
+    values = (np.frombuffer(digest, np.uint8).astype(np.float64) - 128.0) / 64.0
+    values.flags.writeable = False
+    return values.reshape(3, num_kv_heads, head_dim)
 
 
 def make(
-    num_blocks: int = 8, block_size: int = 2, num_layers: int = 1, host: bool = False, **kwargs: Any
+    num_blocks: int = 8, block_size: int = 2, num_layers: int = 1, host: bool = False, **options: Any
 ) -> KVCacheManager:
-    shape = {"block_size": block_size, "head_dim": 2, "num_layers": num_layers}
-    return KVCacheManager(
-        KVPool(num_blocks, **shape),
-        host_pool=KVPool(num_blocks, **shape) if host else None,
-        enable_prefix_caching=kwargs.pop("enable_prefix_caching", True),
-        **kwargs,
+    """A prefix-caching manager (``enable_prefix_caching=False`` turns it off), ``head_dim`` 2;
+    ``host`` adds a host pool as large as the device pool."""
+    options.setdefault("enable_prefix_caching", True)
+    return make_manager(
+        num_blocks,
+        host_blocks=num_blocks if host else 0,
+        block_size=block_size,
+        head_dim=2,
+        num_layers=num_layers,
+        **options,
     )
 
 
@@ -84,18 +95,20 @@ class Runner:
 
 
 def prefix_of(manager: KVCacheManager) -> PrefixCache:
-    prefix = manager._prefix
+    """The manager's prefix cache (prefix caching must be on)."""
+    prefix = manager.prefix_cache
     assert prefix is not None
     return prefix
 
 
 def key_chain(tokens: list[int], block_size: int = 2, extra_keys: Any = None) -> list[bytes]:
+    """The chained keys of ``tokens``' full blocks, as the manager computes them (SHA-256)."""
     return block_keys(ROOT_KEY, token_bytes(tokens), block_size, encode_extra_keys(extra_keys), SHA256)
 
 
-def from_scratch(prompt: list[int], chunks: list[int], **kwargs: Any) -> list[np.ndarray]:
+def from_scratch(prompt: list[int], chunks: list[int], **options: Any) -> list[np.ndarray]:
     """Outputs of the last chunk of ``prompt`` fed in ``chunks`` on a manager without caching."""
-    runner = Runner(make(num_blocks=16, enable_prefix_caching=False, **kwargs))
+    runner = Runner(make(num_blocks=16, enable_prefix_caching=False, **options))
     runner.add("s", [])
     start, outs = 0, []
     for size in chunks:

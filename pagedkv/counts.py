@@ -1,0 +1,83 @@
+"""Checking the ints callers pass (counts, sizes, windows) and the block arithmetic of a window.
+
+numpy-free on purpose: the allocator validates its arguments here too, and it
+never imports numpy (numpy's integer types still pass, through
+``numbers.Integral``). Each check only reads its argument.
+
+>>> check_count("num_blocks", 4)
+4
+>>> window_blocks(max_size=5, block_size=4)
+3
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+from pagedkv.errors import ConfigError, InputTypeError
+
+__all__ = ["ceil_div", "check_count", "check_max_size", "window_blocks"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, exactly (no float rounding).
+
+    >>> ceil_div(9, 4), ceil_div(8, 4), ceil_div(0, 4)
+    (3, 2, 0)
+    """
+    return -(-a // b)
+
+
+def window_blocks(max_size: int, block_size: int) -> int:
+    """At most how many blocks a window of ``max_size`` tokens holds: ``ceil(max_size / block_size) + 1``.
+
+    The window may start anywhere inside a block, so it can touch one block
+    more than ``ceil(max_size / block_size)``; the bound is reached whenever
+    ``max_size % block_size != 1``::
+
+        block_size 4, max_size 6:   . . . x | x x x x | x . . .   3 blocks
+    """
+    return ceil_div(max_size, block_size) + 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_count(name: str, value: object, *, minimum: int = 1) -> int:
+    """Validate an int count that must be at least ``minimum``; return it as a plain int.
+
+    Raises:
+        InputTypeError: not an int (bools, floats and strings included).
+        ConfigError: below ``minimum``.
+
+    >>> check_count("block_size", "3")
+    Traceback (most recent call last):
+    ...
+    pagedkv.errors.InputTypeError: block_size must be an int >= 1, got '3'
+    """
+    if not _is_int(value):
+        raise InputTypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    count = int(value)  # type: ignore[call-overload]
+    if count < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {count}")
+    return count
+
+
+def check_max_size(max_size: object, name: str = "max_size") -> int | None:
+    """Validate a window size: ``None`` (unbounded) or a positive int.
+
+    Raises:
+        InputTypeError: a bool, float, string or other non-int.
+        ConfigError: zero or negative.
+    """
+    if max_size is None:
+        return None
+    if not _is_int(max_size):
+        raise InputTypeError(
+            f"{name} must be None or a positive int, got {max_size!r} ({type(max_size).__name__})"
+        )
+    size = int(max_size)  # type: ignore[call-overload]
+    if size < 1:
+        raise ConfigError(f"{name} must be None or a positive int, got {size}")
+    return size

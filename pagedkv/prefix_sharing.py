@@ -1,0 +1,120 @@
+"""The manager's prefix-caching glue: keying a sequence's full blocks, and sharing them at admission.
+
+:mod:`pagedkv.prefix_cache` maps keys to blocks and knows nothing of
+sequences; the manager owns the sequences and knows nothing of keys. This
+module joins them: it computes a sequence's block keys from its token ids,
+registers each full block once every layer has written it, and turns a
+prompt's longest cached prefix into a block table of shared blocks.
+
+    prompt  [t0 .. t15 | t16 .. t31 | t32 t33]     block_size 16
+    keys     k0         k1 = H(k0, t16..t31)        (the partial block has no key)
+    lookup   k0 hit, k1 hit  -> share 2 blocks, the caller computes t32 on
+"""
+
+from __future__ import annotations
+
+from pagedkv.allocator import BlockAllocator
+from pagedkv.block_table import BlockTable
+from pagedkv.prefix_cache import ROOT_KEY, PrefixCache, block_keys, hash_function, token_bytes
+from pagedkv.sequence import SequenceRecord
+
+__all__ = ["PrefixSharing"]
+
+
+class PrefixSharing:
+    """One manager's prefix cache and the rules that tie it to sequences.
+
+    Args:
+        allocator: the device pool's allocator.
+        block_size: the pool's block size.
+        num_sink_tokens: the manager's sink tokens (sink blocks are always shared).
+        max_size: the window that frees blocks, or None.
+        num_layers: layers of the pool (a hit counts as written in every one).
+        hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix_cache.hash_function`).
+
+    Raises:
+        ConfigError: an unknown hash, or the allocator already runs a prefix cache.
+        ImportError: ``"xxh3_128"`` without the ``xxhash`` extra.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        block_size: int,
+        num_sink_tokens: int,
+        max_size: int | None,
+        num_layers: int,
+        hash_algorithm: str,
+    ) -> None:
+        self._hasher = hash_function(hash_algorithm)
+        self._allocator = allocator
+        self._block_size = block_size
+        self._num_sink_tokens = num_sink_tokens
+        self._max_size = max_size
+        self._num_layers = num_layers
+        #: The key -> block map itself.
+        self.cache = PrefixCache(allocator)
+
+    def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
+        """Share the longest cached run of ``token_ids``' full blocks into ``record``; return its tokens.
+
+        ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
+
+        NOTE: with a sliding window the whole chain is looked up (a key proves
+        its entire prefix), but only the hit blocks the next token's window
+        reaches, and the sink blocks, are shared: blocks that slid out of the
+        window are not needed and stay free for others.
+        """
+        bs = self._block_size
+        num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
+        keys = block_keys(ROOT_KEY, tokens[: 8 * bs * num_usable], bs, record.extras, self._hasher)
+        hit = self.cache.longest_prefix(keys)
+        if not hit:
+            return 0
+        num_hit = len(hit) * bs
+        window_start = self._num_sink_tokens
+        if self._max_size is not None:
+            window_start = max(window_start, num_hit + 1 - self._max_size)
+        window_start = min(window_start, num_hit)
+        num_sink_blocks = min(record.table.num_sink_blocks, len(hit))
+        first = max(num_sink_blocks, window_start // bs)
+        held = hit[:num_sink_blocks] + hit[first:]
+        allocator = self._allocator
+        for block_id in held:
+            if allocator.ref_count(block_id) == 0:
+                allocator.revive(block_id)
+            else:
+                allocator.share([block_id])
+        record.table = BlockTable.restored(bs, self._num_sink_tokens, num_hit, window_start, held)
+        record.num_written = [num_hit] * self._num_layers
+        record.token_ids = token_ids[:num_hit]
+        record.block_keys = keys[: len(hit)]
+        return num_hit
+
+    def key_full_blocks(self, record: SequenceRecord) -> None:
+        """Give keys to ``record``'s blocks that are full and written in every layer."""
+        if record.token_ids is None:
+            return
+        bs = self._block_size
+        first = len(record.block_keys)
+        num_full = min(record.num_written) // bs
+        if num_full <= first:
+            return
+        parent = record.block_keys[-1] if record.block_keys else ROOT_KEY
+        tokens = token_bytes(record.token_ids[first * bs : num_full * bs])
+        new_keys = block_keys(parent, tokens, bs, record.extras, self._hasher)
+        table = record.table
+        for logical_block, key in enumerate(new_keys, start=first):
+            if logical_block < table.num_sink_blocks or logical_block >= table.first_block_index:
+                self.cache.register(table.slot(logical_block * bs) // bs, key)
+        record.block_keys.extend(new_keys)
+
+    def rekey_restored(self, record: SequenceRecord) -> None:
+        """After a swap-in, key the restored full blocks whose keys are free again."""
+        bs = self._block_size
+        table = record.table
+        for logical_block, key in enumerate(record.block_keys):
+            held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
+            if held and self.cache.block_for(key) is None:
+                self.cache.register(table.slot(logical_block * bs) // bs, key)

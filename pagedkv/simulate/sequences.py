@@ -1,0 +1,132 @@
+"""The simulator's side of every sequence it put into the manager: owner, tokens, writes.
+
+The manager knows blocks; the scheduler knows requests. Between them this
+book keeps, per sequence id: the request that owns it, its token ids (only
+with prefix caching, where they decide what is found cached), and its entry
+in the decode request ``{seq_id: 1}`` that every step reserves. It also
+writes what a reservation asks for: the pool is one layer, one head,
+``head_dim`` 1, so the k/v written are zeros from one reused buffer.
+
+>>> from pagedkv import KVCacheManager, KVPool
+>>> from pagedkv.simulate.result import PolicyResult
+>>> book = SequenceBook(KVCacheManager(KVPool(8, block_size=4, head_dim=1)), PolicyResult("paged"))
+>>> seq_id = book.new_seq_id(request_id=7)
+>>> book.manager.add_sequence(seq_id)
+0
+>>> book.feed({seq_id: 6})
+>>> child = book.fork(seq_id, request_id=7)
+>>> book.seq_owner, book.result.num_prefill_tokens, book.manager.num_tokens(child)
+({0: 7, 1: 7}, 6, 6)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv import Batch, KVCacheManager
+from pagedkv.simulate.result import PolicyResult
+
+__all__ = ["SequenceBook"]
+
+
+class SequenceBook:
+    """Sequence ids, their owners and tokens, and the writes into one manager.
+
+    Args:
+        manager: the manager whose sequences these are.
+        result: where the prefill counts go.
+        with_tokens: keep every sequence's token ids (prefix caching needs them).
+
+    Invariants:
+        * ``seq_owner`` and (with tokens) ``history`` hold exactly the
+          sequences the manager knows;
+        * ``decode`` holds exactly the running sequences (checked by the
+          engine's ``check_consistency``).
+    """
+
+    def __init__(self, manager: KVCacheManager, result: PolicyResult, *, with_tokens: bool = False) -> None:
+        self.manager = manager
+        self.result = result
+        self.with_tokens = with_tokens
+        #: ``seq_id -> request_id`` of every known sequence.
+        self.seq_owner: dict[Hashable, int] = {}
+        #: Token ids per sequence (prompt and output), kept only ``with_tokens``.
+        self.history: dict[Hashable, list[int]] = {}
+        #: The persistent decode request ``{seq_id: 1}`` of every running sequence (without tokens).
+        self.decode: dict[Hashable, Any] = {}
+        self._next_seq_id = 0
+        self._kv: npt.NDArray[np.float32] = np.zeros((1024, 1, 1), np.float32)  # (num_tokens, 1 head, 1)
+
+    def new_seq_id(self, request_id: int) -> int:
+        """A fresh sequence id, owned by ``request_id`` (the manager does not know it yet)."""
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self.seq_owner[seq_id] = request_id
+        return seq_id
+
+    def forget(self, seq_id: int, successor: int | None = None) -> None:
+        """Drop a sequence id's bookkeeping (its history passes to ``successor``)."""
+        self.seq_owner.pop(seq_id, None)
+        self.decode.pop(seq_id, None)
+        history = self.history.pop(seq_id, None)
+        if successor is not None and history is not None:
+            self.history[successor] = history
+
+    def fork(self, parent: int, request_id: int) -> int:
+        """Fork ``parent`` into a new sequence of ``request_id`` with a copy of its tokens; return its id."""
+        child = self.new_seq_id(request_id)
+        self.manager.fork(parent, child)
+        if self.with_tokens:
+            self.history[child] = list(self.history[parent])
+        return child
+
+    def refork(self, old: int, parent: int, request_id: int, *, keep_history: bool) -> int:
+        """Free ``old`` and fork ``parent`` into its place; return the new sequence's id.
+
+        Args:
+            old: the sequence to replace.
+            parent: the sequence to fork.
+            request_id: the owner of both.
+            keep_history: the new sequence takes ``old``'s tokens (it will
+                re-feed them) instead of a copy of ``parent``'s.
+        """
+        self.manager.free(old)
+        child = self.new_seq_id(request_id)
+        self.manager.fork(parent, child)
+        if keep_history:
+            self.forget(old, child)
+        else:
+            self.forget(old)
+            if self.with_tokens:
+                self.history[child] = list(self.history[parent])
+        return child
+
+    def tokens(self, seq_id: int, start: int, end: int) -> Any:
+        """What to reserve for tokens ``start:end`` of a sequence: their ids, or a count."""
+        if self.with_tokens:
+            return self.history[seq_id][start:end]
+        return end - start
+
+    def feed(self, parts: dict[Hashable, Any], *, recomputed: bool = False) -> None:
+        """Reserve and write ``parts`` as a prefill, counted in the result.
+
+        Raises:
+            PoolExhaustedError: the pool cannot hold them (nothing changed).
+        """
+        batch = self.manager.reserve(parts)
+        self.write(batch)
+        self.result.num_prefill_tokens += batch.num_tokens
+        if recomputed:
+            self.result.num_recomputed_tokens += batch.num_tokens
+
+    def write(self, batch: Batch) -> None:
+        """Write zeros for every token of a reservation (the manager requires the write)."""
+        num_tokens = batch.num_tokens
+        if len(self._kv) < num_tokens:
+            self._kv = np.zeros((max(num_tokens, 2 * len(self._kv)), 1, 1), np.float32)
+        kv = self._kv[:num_tokens]  # (num_tokens, 1, 1), a view
+        self.manager.write(0, batch, kv, kv)

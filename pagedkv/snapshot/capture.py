@@ -1,0 +1,178 @@
+"""Capture: the JSON state and page tensors of a live ``KVCache`` or ``KVCacheManager``, and ``save``.
+
+Each object hands over its own state through its ``_export_state`` hook
+(the cache, the manager, the allocators); everything else is read through
+public queries, and nothing is changed. The layout of the state is drawn in
+:mod:`pagedkv.snapshot.schema`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.allocator import AllocatorState
+from pagedkv.cache import KVCache
+from pagedkv.errors import ClosedCacheError, InputTypeError
+from pagedkv.manager import COUNTERS, KVCacheManager
+from pagedkv.pool import KVPool
+from pagedkv.sequence import RecordState, SequenceState
+from pagedkv.snapshot.format import Tensors, page_parts, safetensors_numpy, tensor_name, write_state
+from pagedkv.snapshot.schema import (
+    State,
+    allocator_json,
+    fail,
+    pending_layers,
+    role_of,
+    seq_id_json,
+    table_json,
+)
+
+__all__ = ["capture_cache", "capture_manager", "save"]
+
+
+def save(obj: KVCache | KVCacheManager, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` to ``path`` as one snapshot file, atomically.
+
+    Args:
+        obj: a ``KVCache`` or a ``KVCacheManager``; it is only read.
+        path: the file; an existing file there is replaced only once the
+            new one is complete on disk.
+
+    Raises:
+        InputTypeError: ``obj`` is neither.
+        ClosedCacheError: the cache is closed.
+        SnapshotError: the manager cannot be saved as it is: a sequence has
+            reserved tokens some layer has not written, a sequence id is not
+            a str or int, or a pool also holds blocks of another owner.
+        ImportError: safetensors is missing (the ``snapshot`` extra).
+    """
+    safetensors_numpy()  # fail on a missing extra before any work
+    if isinstance(obj, KVCacheManager):
+        state, tensors = capture_manager(obj)
+    elif isinstance(obj, KVCache):
+        state, tensors = capture_cache(obj)
+    else:
+        raise InputTypeError(f"save takes a KVCache or a KVCacheManager, got {type(obj).__name__}")
+    write_state(path, state, tensors)
+
+
+def capture_cache(cache: KVCache) -> tuple[State, Tensors]:
+    """The state and page tensors of ``cache`` (its own blocks only, even on a shared pool).
+
+    Raises:
+        ClosedCacheError: the cache is closed.
+    """
+    if cache.closed:
+        raise ClosedCacheError("this KVCache is closed; there is nothing to save")
+    own = cache._export_state()
+    pool = cache.pool
+    state: State = {
+        "kind": "KVCache",
+        "cache": {"max_size": cache.max_size, "block_size": cache.block_size, "dtype": cache.dtype.name,
+                  "scale": cache.scale, "key_dtype": cache.key_dtype, "value_dtype": cache.value_dtype,
+                  "private": own.private, "max_abs_key": own.max_abs_key,
+                  "kv_shape": None if own.kv_shape is None else list(own.kv_shape),
+                  "table": table_json(own.table)},
+        "pools": {},
+    }
+    if pool is None:
+        return state, {}
+    saved = sorted(cache.block_ids)
+    entry: State = {"config": _pool_config(pool), "saved_ids": saved}
+    if own.private:
+        entry["allocator"] = allocator_json(pool.allocator._export_state())
+    state["pools"]["device"] = entry
+    return state, _pages(pool, "device", saved)
+
+
+def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
+    """The state and page tensors of ``manager`` and its pools.
+
+    Raises:
+        SnapshotError: a sequence has unwritten reserved tokens, an id is
+            not a str or int, or a pool holds blocks of another owner.
+    """
+    own = manager._export_state()
+    pools_of = {"device": manager.pool, "host": manager.host_pool}
+    held = {role: [0] * pool.num_blocks for role, pool in pools_of.items() if pool is not None}
+    sequences = []
+    for record in own.records:
+        pending = pending_layers(record.num_written, record.table.num_tokens)
+        if record.state is SequenceState.RUNNING and pending:
+            fail(f"sequence {record.seq_id!r} has reserved tokens that layers {pending} have not "
+                 "written; write them (or free the sequence) before saving")
+        for block_id in (*record.table.sink_ids, *record.table.window_ids):
+            held[role_of(record.state)][block_id] += 1
+        sequences.append(_record_json(record))
+    pools: State = {}
+    tensors: Tensors = {}
+    for role, counts in held.items():
+        pool = pools_of[role]
+        assert pool is not None
+        allocator = pool.allocator._export_state()
+        if allocator.ref_counts != counts:
+            fail(f"the {role} pool also holds blocks of another cache or manager; only a manager "
+                 "that owns its pools alone can be saved")
+        if allocator.cached and (role == "host" or not manager.prefix_caching):
+            fail(f"the {role} pool holds prefix-cached blocks of another manager")
+        saved = _saved_ids(allocator)
+        pools[role] = {"config": _pool_config(pool), "allocator": allocator_json(allocator), "saved_ids": saved}
+        tensors.update(_pages(pool, role, saved))
+    state = {
+        "kind": "KVCacheManager",
+        "manager": {
+            "layer_max_sizes": list(manager.layer_max_sizes), "num_sink_tokens": manager.num_sink_tokens,
+            "num_q_heads": manager.num_q_heads, "scale": manager.scale,
+            "enable_prefix_caching": manager.prefix_caching, "hash_algorithm": manager.hash_algorithm,
+            "max_abs_key": list(own.max_abs_key),
+            "counters": {name: own.counters[name] for name in COUNTERS},
+            "prefix": {
+                "keys": [[block_id, key.hex()] for block_id, key in own.prefix_keys],
+                "num_evictions": own.num_prefix_evictions,
+            } if manager.prefix_caching else None,
+            "sequences": sequences,
+        },
+        "pools": pools,
+    }
+    return state, tensors
+
+
+def _record_json(record: RecordState) -> State:
+    return {
+        "seq_id": seq_id_json(record.seq_id), "state": record.state.value, "table": table_json(record.table),
+        "num_written": list(record.num_written), "extras": record.extras.hex(),
+        "token_ids": None if record.token_ids is None else list(record.token_ids),
+        "block_keys": [key.hex() for key in record.block_keys],
+    }
+
+
+def _saved_ids(allocator: AllocatorState) -> list[int]:
+    """The blocks whose pages a snapshot keeps: in use, or cached (a prefix hit can revive them)."""
+    return sorted({b for b, n in enumerate(allocator.ref_counts) if n} | set(allocator.cached))
+
+
+def _pool_config(pool: KVPool) -> State:
+    return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "num_kv_heads": pool.num_kv_heads,
+            "head_dim": pool.head_dim, "num_layers": pool.num_layers, "dtype": pool.dtype.name,
+            "key_dtype": pool.key_dtype, "value_dtype": pool.value_dtype}
+
+
+def _pages(pool: KVPool, role: str, block_ids: list[int]) -> Tensors:
+    ids = np.array(block_ids, np.intp)
+
+    def take(store: npt.NDArray[np.generic]) -> npt.NDArray[np.generic]:
+        # NOTE: np.take into a fresh array, mode="clip" (the ids are the pool's
+        # own): store[:, ids] would return a block-major, non-contiguous array
+        # that the checksum and the writer would each copy again.
+        out = np.empty((store.shape[0], len(ids), *store.shape[2:]), store.dtype)
+        np.take(store, ids, axis=1, out=out, mode="clip")
+        return out.view(np.uint8) if out.dtype.kind == "V" else out  # fp8 travels as its bytes
+
+    stores = {"keys": pool.keys, "values": pool.values, "key_scales": pool.key_scales,
+              "value_scales": pool.value_scales}
+    parts = page_parts(pool.key_format is not None, pool.value_format is not None)
+    return {tensor_name(role, part, layer): take(stores[part](layer))
+            for layer in range(pool.num_layers) for part in parts}

@@ -1,0 +1,217 @@
+"""The JSON form of a snapshot's state: a typed reader, the encoders, and the checks loads share.
+
+The state, as JSON (block ids are plain ints; bytes are hex)::
+
+    {"kind": "KVCacheManager",
+     "manager": {layer_max_sizes, num_sink_tokens, num_q_heads, scale,
+                 enable_prefix_caching, hash_algorithm, max_abs_key, counters,
+                 prefix: {keys: [[block_id, key], ...] in LRU-relevant order,
+                          num_evictions},
+                 sequences: [{seq_id: ["s", "a"] | ["i", 7], state, num_written,
+                              token_ids, block_keys, extras,
+                              table: {num_tokens, window_start, first_block,
+                                      sink_ids, window_ids}}, ...]},
+     "pools": {"device": {config, saved_ids, allocator: {used: [[id, ref_count]],
+                          free_runs: [[first_id, length]] in queue order,
+                          cached_free (LRU order), cached}},
+               "host": {...}}}
+
+A cache snapshot has ``"kind": "KVCache"``, a ``"cache"`` object (its
+configuration, ``private``, ``max_abs_key``, ``kv_shape`` and ``table``) and
+at most a ``"device"`` pool, with an ``allocator`` only when the pool was
+the cache's own.
+
+Every check here raises :class:`~pagedkv.errors.SnapshotError` naming the
+field's path (``state.manager.sequences[2].table.num_tokens``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any, NoReturn
+
+from pagedkv.allocator import AllocatorState
+from pagedkv.block_table import TableState
+from pagedkv.errors import SnapshotError
+from pagedkv.quantization import STORAGE_DTYPES
+from pagedkv.sequence import SequenceState
+
+__all__ = [
+    "DTYPES",
+    "KEY_SIZES",
+    "STORAGE",
+    "Reader",
+    "State",
+    "allocator_json",
+    "fail",
+    "hex_bytes",
+    "ints",
+    "invariants",
+    "is_int",
+    "pair",
+    "pending_layers",
+    "role_of",
+    "seq_id_json",
+    "table_json",
+]
+
+State = dict[str, Any]
+
+#: Compute dtypes a snapshot may name.
+DTYPES = ("float32", "float64")
+#: Storage dtypes a snapshot may name (None: floats in the compute dtype).
+STORAGE: tuple[str | None, ...] = (None, *STORAGE_DTYPES)
+#: The key size, in bytes, of each block hash.
+KEY_SIZES = {"sha256": 32, "xxh3_128": 16}
+
+
+def fail(message: str) -> NoReturn:
+    """Raise :class:`~pagedkv.errors.SnapshotError` with ``message``."""
+    raise SnapshotError(message)
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is a JSON integer (bools are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def ints(values: object, where: str, low: int = 0, high: int | None = None) -> list[int]:
+    """``values`` as a list of ints in ``low .. high``, or fail naming ``where``."""
+    if not isinstance(values, list):
+        fail(f"{where} must be a list, got {type(values).__name__}")
+    for value in values:
+        if not is_int(value) or value < low or (high is not None and value > high):
+            fail(f"{where} holds {value!r}; expected ints in {low}..{'' if high is None else high}")
+    return values
+
+
+def pair(value: object, where: str, what: str) -> tuple[int, int]:
+    """``value`` as a pair of ints >= 0, or fail naming ``where`` and ``what`` the pairs mean."""
+    if not (isinstance(value, list) and len(value) == 2):
+        fail(f"{where} holds {value!r:.60}; expected {what} pairs")
+    first, second = ints(value, where)
+    return first, second
+
+
+def hex_bytes(value: object, where: str, size: int | None = None) -> bytes:
+    """The bytes a hex string spells (of ``size`` bytes when given), or fail naming ``where``."""
+    if not isinstance(value, str):
+        fail(f"{where} holds {value!r:.60}, not a hex string")
+    try:
+        data = bytes.fromhex(value)
+    except ValueError:
+        fail(f"{where} holds {value:.40!r}, not hex")
+    if size is not None and len(data) != size:
+        fail(f"{where} holds a {len(data)}-byte key; the hash makes {size}-byte keys")
+    return data
+
+
+def role_of(state: SequenceState) -> str:
+    """The pool a sequence's blocks are in: ``"host"`` when it is swapped, else ``"device"``."""
+    return "host" if state is SequenceState.SWAPPED else "device"
+
+
+def pending_layers(num_written: list[int], num_tokens: int) -> list[int]:
+    """Layers that have not written all ``num_tokens`` reserved tokens."""
+    return [layer for layer, n in enumerate(num_written) if n != num_tokens]
+
+
+def invariants(check: Callable[[], None], what: str) -> None:
+    """Run a ``check_invariants`` and turn its ``AssertionError`` into a ``SnapshotError``."""
+    try:
+        check()
+    except AssertionError as error:
+        fail(f"the snapshot's {what} is inconsistent: {error}")
+
+
+class Reader:
+    """Typed access to one JSON object of the state; a bad field fails naming its path."""
+
+    def __init__(self, value: object, where: str) -> None:
+        if not isinstance(value, dict):
+            fail(f"{where} must be a JSON object, got {type(value).__name__}")
+        self.value: dict[str, Any] = value
+        self.where = where
+
+    def get(self, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        """Field ``name``, of type ``kind`` (None too when ``optional``)."""
+        if name not in self.value:
+            fail(f"{self.where}.{name} is missing")
+        value = self.value[name]
+        if value is None and optional:
+            return None
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            fail(f"{self.where}.{name} = {value!r:.60} has the wrong type")
+        return value
+
+    def integer(self, name: str, low: int = 0, *, optional: bool = False) -> Any:
+        """Field ``name``, an int >= ``low`` (or None when ``optional``)."""
+        value = self.get(name, int, optional=optional)
+        if value is not None and value < low:
+            fail(f"{self.where}.{name} = {value} is below {low}")
+        return value
+
+    def number(self, name: str, *, non_negative: bool = True) -> float:
+        """Field ``name``, a finite number (>= 0 unless told otherwise)."""
+        value = float(self.get(name, (int, float)))
+        if not math.isfinite(value) or (non_negative and value < 0):
+            fail(f"{self.where}.{name} = {value!r} must be finite" + (" and >= 0" if non_negative else ""))
+        return value
+
+    def choice(self, name: str, choices: tuple[Any, ...]) -> Any:
+        """Field ``name``, one of ``choices``."""
+        if name not in self.value:
+            fail(f"{self.where}.{name} is missing")
+        value = self.value[name]
+        if isinstance(value, bool) or value not in choices:
+            fail(f"{self.where}.{name} = {value!r:.60}; expected one of {choices}")
+        return value
+
+    def ints(self, name: str, low: int = 0, high: int | None = None) -> list[int]:
+        """Field ``name``, a list of ints in ``low .. high``."""
+        return ints(self.get(name, list), f"{self.where}.{name}", low, high)
+
+    def child(self, name: str) -> Reader:
+        """Field ``name``, a JSON object, as a reader of its own."""
+        return Reader(self.get(name, dict), f"{self.where}.{name}")
+
+    def hex(self, name: str, size: int | None = None) -> bytes:
+        """Field ``name``, a hex string, as bytes."""
+        return hex_bytes(self.get(name, str), f"{self.where}.{name}", size)
+
+
+# ------------------------------------------------------------------ encoders
+
+
+def table_json(table: TableState) -> State:
+    """A block table's state as JSON."""
+    return {"num_tokens": table.num_tokens, "window_start": table.window_start,
+            "first_block": table.first_block, "sink_ids": list(table.sink_ids),
+            "window_ids": list(table.window_ids)}
+
+
+def allocator_json(allocator: AllocatorState) -> State:
+    """An allocator's state as JSON: used ids with ref counts, the plain free queue as runs."""
+    runs: list[list[int]] = []  # the plain free queue, in order, as [first_id, length] runs
+    for block_id in allocator.free:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return {
+        "used": [[block_id, n] for block_id, n in enumerate(allocator.ref_counts) if n],
+        "free_runs": runs,
+        "cached_free": list(allocator.cached_free),
+        "cached": sorted(allocator.cached),
+    }
+
+
+def seq_id_json(seq_id: Hashable) -> list[Any]:
+    """A sequence id as JSON, tagged so an int and its digits stay apart: ``["s", "7"]``, ``["i", 7]``."""
+    if isinstance(seq_id, str):
+        return ["s", seq_id]
+    if is_int(seq_id):
+        return ["i", seq_id]
+    fail(f"sequence id {seq_id!r} is a {type(seq_id).__name__}; only str and int ids can be saved")
