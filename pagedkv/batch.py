@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Batch"]
+from pagedkv.errors import InputTypeError, SequenceStateError
+from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState
+
+__all__ = ["Batch", "batch_records"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +58,25 @@ class Batch:
     def num_seqs(self) -> int:
         """Sequences in the batch."""
         return len(self.seq_ids)
+
+
+def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
+    """The records of ``batch``'s sequences, each still holding the reservation the batch stamps.
+
+    Raises:
+        InputTypeError: ``batch`` is not a Batch.
+        SequenceStateError: a sequence was freed, preempted or reserved again since.
+    """
+    if not isinstance(batch, Batch):
+        raise InputTypeError(f"batch must be a Batch from reserve(), got {type(batch).__name__}")
+    found = []
+    for seq_id, stamp in zip(batch.seq_ids, batch.reservation_ids):
+        record = records.get(seq_id)
+        if record is None or record.reservation_id != stamp or record.state is not SequenceState.RUNNING:
+            raise SequenceStateError(
+                f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
+                "freed, preempted or reserved again); reserve again (cancel_reservation() "
+                "takes back the other sequences' unwritten tokens)"
+            )
+        found.append(record)
+    return found

@@ -29,9 +29,9 @@ from pagedkv.errors import (
     PoolExhaustedError,
     ShapeError,
 )
-from pagedkv.inputs import as_vectors, check_scale, check_score_bound
+from pagedkv.inputs import as_vectors, check_dtype, check_scale, check_score_bound
 from pagedkv.paged_attention import attend_sequence
-from pagedkv.pool import KVPool, storage_dtype
+from pagedkv.pool import KVPool
 from pagedkv.quantization import check_storage_dtype, storage_format
 
 __all__ = ["CacheState", "KVCache"]
@@ -125,7 +125,7 @@ class KVCache:
         block_size = check_count("block_size", block_size)
         if pool is not None and block_size != pool.block_size:
             raise ConfigError(f"block_size={block_size} but the pool's block_size is {pool.block_size}")
-        resolved = storage_dtype(dtype if dtype is not None else (pool.dtype if pool else np.float64))
+        resolved = check_dtype(dtype if dtype is not None else (pool.dtype if pool else np.float64))
         if pool is not None and resolved != pool.dtype:
             raise ConfigError(f"dtype={resolved} but the pool stores {pool.dtype}")
         storage = []

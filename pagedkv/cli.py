@@ -28,7 +28,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _viz(args: argparse.Namespace) -> int:
-    from pagedkv.viz import run_viz
+    from pagedkv.simulate.command import run_viz
 
     return run_viz(args)
 
@@ -207,8 +207,8 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _add_check_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    # pagedkv check: pagedkv.check imports only the standard library; the kit loads when run.
-    from pagedkv.check import add_check_parser
+    # pagedkv check: pagedkv.testing.check imports no Hypothesis; the kit loads when run.
+    from pagedkv.testing.check import add_check_parser
 
     add_check_parser(commands)
 

@@ -13,10 +13,11 @@ never imports numpy (numpy's integer types still pass, through
 from __future__ import annotations
 
 from numbers import Integral
+from typing import cast
 
-from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.errors import ConfigError, InputTypeError, LayerIndexError
 
-__all__ = ["ceil_div", "check_count", "check_max_size", "window_blocks"]
+__all__ = ["ceil_div", "check_count", "check_layer", "check_max_size", "window_blocks"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -58,7 +59,7 @@ def check_count(name: str, value: object, *, minimum: int = 1) -> int:
     """
     if not _is_int(value):
         raise InputTypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    count = int(value)  # type: ignore[call-overload]
+    count = int(cast(Integral, value))
     if count < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {count}")
     return count
@@ -77,7 +78,22 @@ def check_max_size(max_size: object, name: str = "max_size") -> int | None:
         raise InputTypeError(
             f"{name} must be None or a positive int, got {max_size!r} ({type(max_size).__name__})"
         )
-    size = int(max_size)  # type: ignore[call-overload]
+    size = int(cast(Integral, max_size))
     if size < 1:
         raise ConfigError(f"{name} must be None or a positive int, got {size}")
     return size
+
+
+def check_layer(layer: object, num_layers: int) -> int:
+    """Validate a layer index in ``0 .. num_layers - 1``; return it.
+
+    Raises:
+        InputTypeError: not an int.
+        LayerIndexError: out of range.
+    """
+    if not _is_int(layer):
+        raise InputTypeError(f"layer must be an int, got {layer!r}")
+    index = int(cast(Integral, layer))
+    if not 0 <= index < num_layers:
+        raise LayerIndexError(f"layer {index} is out of range 0..{num_layers - 1}")
+    return index

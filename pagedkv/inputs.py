@@ -12,9 +12,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.errors import InputTypeError, NonFiniteError, ShapeError
+from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeError
 
-__all__ = ["as_vectors", "check_scale", "check_score_bound"]
+__all__ = ["FLOAT_DTYPES", "as_tokens", "as_vectors", "check_dtype", "check_scale", "check_score_bound"]
+
+#: The float dtypes pools store and compute in (quantized storage is a separate option).
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def as_vectors(
@@ -83,6 +86,39 @@ def as_vectors(
             f"(the {dtype} maximum / 16) that keeps every sum finite; scale it down"
         )
     return converted, came_as_list
+
+
+def as_tokens(
+    name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]
+) -> npt.NDArray[Any]:
+    """``as_vectors`` for a batch of tokens, of exactly ``expected = (num_tokens, num_heads, head_dim)``.
+
+    Raises:
+        InputTypeError, NonFiniteError: as ``as_vectors``.
+        ShapeError: any other shape.
+    """
+    array, _ = as_vectors(name, value, dtype, ndims=(3,))
+    if array.shape != expected:
+        raise ShapeError(
+            f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
+        )
+    return array
+
+
+def check_dtype(dtype: object) -> np.dtype[np.floating]:
+    """Validate a float dtype (float32 or float64, by any name numpy knows) and return it.
+
+    Raises:
+        InputTypeError: not something numpy reads as a dtype.
+        ConfigError: another dtype.
+    """
+    try:
+        resolved = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError as error:
+        raise InputTypeError(f"dtype must be float32 or float64, got {dtype!r}") from error
+    if resolved not in FLOAT_DTYPES:
+        raise ConfigError(f"dtype must be float32 or float64, got {resolved}")
+    return resolved  # type: ignore[no-any-return]
 
 
 def check_scale(scale: object) -> float:

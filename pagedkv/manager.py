@@ -24,83 +24,49 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.batch import Batch
+from pagedkv.batch import Batch, batch_records
 from pagedkv.block_table import BlockTable
-from pagedkv.counts import check_count, check_max_size
+from pagedkv.counts import check_layer
 from pagedkv.errors import (
     ConfigError,
-    DuplicateSequenceError,
     InputTypeError,
-    LayerIndexError,
     PoolExhaustedError,
     SequenceStateError,
-    ShapeError,
-    UnknownSequenceError,
 )
-from pagedkv.inputs import as_vectors, check_scale, check_score_bound
-from pagedkv.metrics import ManagerMetrics, collect_metrics
-from pagedkv.paged_attention import attend_decode_padded, attend_sequence
+from pagedkv.inputs import as_tokens, check_score_bound
+from pagedkv.manager_config import configure
+from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
+from pagedkv.paged_attention import attend_batch
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import PrefixCache, encode_extra_keys, hash_function, token_bytes
+from pagedkv.prefix_cache import PrefixCache, as_token_ids, encode_extra_keys, token_bytes
 from pagedkv.prefix_sharing import PrefixSharing
-from pagedkv.reservation import Request, Requests, ReservationPlan, parse_requests, plan_reservation
-from pagedkv.sequence import RecordState, SequenceHolder, SequenceRecord, SequenceState
+from pagedkv.reservation import (
+    Request,
+    Requests,
+    ReservationPlan,
+    commit_reservation,
+    parse_requests,
+    plan_reservation,
+    resolve_requests,
+)
+from pagedkv.sequence import (
+    ManagerState,
+    SequenceHolder,
+    SequenceRecord,
+    SequenceRegistry,
+    SequenceState,
+    check_settled,
+)
 from pagedkv.swap import check_host_pool, swap_in, swap_out
 
-__all__ = ["KVCacheManager", "ManagerState", "SequenceState"]
+__all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
-# NOTE: one counter for every manager, so a Batch from another manager never
-# matches a stamp here (per-manager counters both start at 1).
-_RESERVATION_IDS = itertools.count(1)
-
-#: The event counters every manager keeps (and a snapshot saves).
-COUNTERS = (
-    "forks",
-    "copy_on_write",
-    "preemptions",
-    "swaps_out",
-    "swaps_in",
-    "prefix_queries",
-    "prefix_hits",
-    "resumed_reuse",
-)
-
-
-class ManagerState:
-    """A manager's state beyond its configuration and pools (what a snapshot saves).
-
-    Attributes:
-        max_abs_key: the largest |key| written so far, per layer.
-        counters: the event counters (``COUNTERS``).
-        records: every sequence's record, in the order they were added.
-        prefix_keys: ``(block_id, key)`` of every prefix key in insertion order
-            (empty without prefix caching).
-        num_prefix_evictions: prefix keys dropped for reuse so far.
-    """
-
-    __slots__ = ("counters", "max_abs_key", "num_prefix_evictions", "prefix_keys", "records")
-
-    def __init__(
-        self,
-        max_abs_key: list[float],
-        counters: dict[str, int],
-        records: list[RecordState],
-        prefix_keys: list[tuple[int, bytes]],
-        num_prefix_evictions: int,
-    ) -> None:
-        self.max_abs_key = max_abs_key
-        self.counters = counters
-        self.records = records
-        self.prefix_keys = prefix_keys
-        self.num_prefix_evictions = num_prefix_evictions
 
 
 class KVCacheManager:
@@ -151,50 +117,38 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         hash_algorithm: str = "sha256",
     ) -> None:
-        if not isinstance(pool, KVPool):
-            raise InputTypeError(f"pool must be a KVPool, got {type(pool).__name__}")
-        if pool.growable:
-            raise ConfigError("a manager needs a fixed pool; create KVPool(..., growable=False)")
-        self.pool = pool
-        window = check_max_size(max_size)
-        if layer_max_sizes is not None:
-            if window is not None:
-                raise ConfigError("give max_size or layer_max_sizes, not both")
-            windows = [check_max_size(w) for w in layer_max_sizes]
-            if len(windows) != pool.num_layers:
-                raise ConfigError(
-                    f"layer_max_sizes has {len(windows)} entries, the pool has {pool.num_layers} layers"
-                )
-        else:
-            windows = [window] * pool.num_layers
-        self.layer_max_sizes: tuple[int | None, ...] = tuple(windows)
-        #: The window that frees blocks: the largest layer window, None if any is unbounded.
-        self.max_size: int | None = (
-            None if any(w is None for w in windows) else max(w for w in windows if w is not None)
+        config = configure(
+            pool,
+            max_size=max_size,
+            layer_max_sizes=layer_max_sizes,
+            num_sink_tokens=num_sink_tokens,
+            num_q_heads=num_q_heads,
+            scale=scale,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_algorithm=hash_algorithm,
         )
-        self.num_sink_tokens = check_count("num_sink_tokens", num_sink_tokens, minimum=0)
-        self.num_q_heads = (
-            pool.num_kv_heads if num_q_heads is None else check_count("num_q_heads", num_q_heads)
-        )
-        if self.num_q_heads % pool.num_kv_heads:
-            raise ConfigError(
-                f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={pool.num_kv_heads}"
-            )
-        self.scale = check_scale(scale)
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
-        self._seqs: dict[Hashable, SequenceRecord] = {}
+        self.pool = pool
+        #: The validated configuration; the attributes below mirror it.
+        self.config = config
+        self.layer_max_sizes = config.layer_max_sizes
+        #: The window that frees blocks: the largest layer window, None if any is unbounded.
+        self.max_size = config.window
+        self.num_sink_tokens = config.num_sink_tokens
+        self.num_q_heads = config.num_q_heads
+        self.scale = config.scale
+        #: The block hash's name (kept for snapshots).
+        self.hash_algorithm = config.hash_algorithm
+        self._seqs = SequenceRegistry()
         self._max_abs_key = [0.0] * pool.num_layers
         self._counters = dict.fromkeys(COUNTERS, 0)
-        hash_function(hash_algorithm)  # validated even with prefix caching off: snapshots save it
-        #: The block hash's name (kept for snapshots).
-        self.hash_algorithm = hash_algorithm
         self._sharing: PrefixSharing | None = None
         if enable_prefix_caching:
             self._sharing = PrefixSharing(
                 pool.allocator,
                 block_size=pool.block_size,
                 num_sink_tokens=self.num_sink_tokens,
-                max_size=self.max_size,
+                window=self.max_size,
                 num_layers=pool.num_layers,
                 hash_algorithm=hash_algorithm,
             )
@@ -291,7 +245,7 @@ class KVCacheManager:
         if not isinstance(cache_blocks, bool):
             raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
         extras = encode_extra_keys(extra_keys)
-        token_ids = None if prompt is None else _prompt_ids(prompt)
+        token_ids = None if prompt is None else as_token_ids(prompt, "prompt must be a sequence of token ids")
         tokens = token_bytes(token_ids) if token_ids is not None else b""
         record = SequenceRecord(
             seq_id, BlockTable(self.pool.block_size, self.num_sink_tokens), self.pool.num_layers
@@ -332,9 +286,9 @@ class KVCacheManager:
         Args:
             requests: ``{seq_id: num_new_tokens}`` (or ``(seq_id, n)`` pairs),
                 each ``n >= 1``; a sequence may appear once. With prefix
-                caching give the new tokens' ids instead of a count
-                (``{seq_id: [17, 4, 99]}``) so full blocks get keys; a count
-                stops keying that sequence's later blocks.
+                caching a sequence that caches its blocks gives its new
+                tokens' ids instead (``{seq_id: [17, 4, 99]}``) so full blocks
+                get keys (see ``add_sequence(..., cache_blocks=...)``).
 
         Returns:
             The :class:`~pagedkv.batch.Batch` to write and attend, every layer.
@@ -342,7 +296,8 @@ class KVCacheManager:
         Raises:
             UnknownSequenceError: an id is not known.
             DuplicateSequenceError: an id appears twice.
-            ConfigError, InputTypeError: a count is not an int >= 1.
+            ConfigError, InputTypeError: a count is not an int >= 1, or a
+                sequence that caches its blocks got a count, not token ids.
             SequenceStateError: a sequence is preempted or swapped, or has
                 reserved tokens some layer has not written yet.
             PoolExhaustedError: the pool cannot hold it; nothing changes.
@@ -358,46 +313,9 @@ class KVCacheManager:
                 "free or preempt a sequence, reserve fewer tokens, or give the pool more blocks",
             )
         # ---- validated: nothing below can fail ----
-        allocator = self.pool.allocator
-        bs = self.pool.block_size
-        slots: list[int] = []
-        first_positions, stamps = [], []
-        if self.max_size is not None:
-            # Every eviction first: the plan counts a later sequence's released
-            # blocks as available to an earlier sequence's new blocks.
-            for record, step in zip(records, plan.steps):
-                if step.window_start > record.table.window_start:
-                    released = record.table.evict_to(step.window_start)
-                    if released:
-                        allocator.free(released)
-        for record, request, step in zip(records, requests_list, plan.steps):
-            if record.token_ids is not None and request.token_ids is not None:
-                record.token_ids.extend(request.token_ids)
-            table = record.table
-            if step.copy_on_write:
-                copy = allocator.allocate_one()
-                self.pool.copy_blocks([table.last_block_id], [copy])
-                allocator.free_one(table.replace_last(copy))
-                self._counters["copy_on_write"] += 1
-            start = table.num_tokens
-            num_new = request.num_new_tokens
-            table.append(num_new, allocator.allocate(step.num_new_blocks) if step.num_new_blocks else [])
-            first_positions.append(start)
-            if num_new == 1:
-                slots.append(table.last_block_id * bs + start % bs)
-            else:
-                slots.extend(table.slots(start, start + num_new))
-            record.reservation_id = stamp = next(_RESERVATION_IDS)
-            stamps.append(stamp)
-        counts = [request.num_new_tokens for request in requests_list]
-        return Batch(
-            seq_ids=tuple(request.seq_id for request in requests_list),
-            num_new_tokens=tuple(counts),
-            first_positions=tuple(first_positions),
-            query_start=np.array([0, *accumulate(counts)], np.int64),
-            slot_mapping=np.array(slots, np.int64),
-            reservation_ids=tuple(stamps),
-        )
+        batch = commit_reservation(records, requests_list, plan, self.pool, self.max_size is not None)
+        self._counters["copy_on_write"] += plan.num_copy_on_write
+        return batch
 
     def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
         """Store one layer's k/v for every token of ``batch``.
@@ -413,8 +331,8 @@ class KVCacheManager:
             SequenceStateError: the batch is stale, or this layer was written.
             ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
         """
-        self._check_layer(layer)
-        seqs = self._batch_seqs(batch)
+        check_layer(layer, self.pool.num_layers)
+        seqs = batch_records(self._seqs, batch)
         for seq, start in zip(seqs, batch.first_positions):
             if seq.num_written[layer] != start:
                 raise SequenceStateError(
@@ -422,8 +340,8 @@ class KVCacheManager:
                 )
         pool = self.pool
         expected = (batch.num_tokens, pool.num_kv_heads, pool.head_dim)
-        key_array = self._tokens("keys", keys, expected)
-        value_array = self._tokens("values", values, expected)
+        key_array = as_tokens("keys", keys, self.pool.dtype, expected)
+        value_array = as_tokens("values", values, self.pool.dtype, expected)
         # ---- validated ----
         pool.write(layer, batch.slot_mapping, key_array, value_array)
         self._max_abs_key[layer] = max(self._max_abs_key[layer], float(np.abs(key_array).max()))
@@ -455,10 +373,10 @@ class KVCacheManager:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError, ConfigError: bad arguments; nothing changes.
         """
-        self._check_layer(layer)
+        check_layer(layer, self.pool.num_layers)
         if method not in ("loop", "padded"):
             raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
-        seqs = self._batch_seqs(batch)
+        seqs = batch_records(self._seqs, batch)
         for seq in seqs:
             if seq.num_written[layer] != seq.table.num_tokens:
                 raise SequenceStateError(
@@ -466,16 +384,13 @@ class KVCacheManager:
                     "call write() first"
                 )
         expected = (batch.num_tokens, self.num_q_heads, self.pool.head_dim)
-        query_array = self._tokens("queries", queries, expected)
+        query_array = as_tokens("queries", queries, self.pool.dtype, expected)
         check_score_bound(self.scale, query_array, self._max_abs_key[layer], self.pool.dtype)
+        tables = [seq.table for seq in seqs]
         window = self.layer_max_sizes[layer]
-        if method == "padded" and all(n == 1 for n in batch.num_new_tokens):
-            tables = [seq.table for seq in seqs]
-            return attend_decode_padded(self.pool, layer, tables, window, query_array, self.scale)
-        out = np.empty_like(query_array)
-        for seq, lo, hi in zip(seqs, batch.query_start[:-1], batch.query_start[1:]):
-            out[lo:hi] = attend_sequence(self.pool, layer, seq.table, window, query_array[lo:hi], self.scale)
-        return out
+        return attend_batch(
+            self.pool, layer, tables, batch.query_start, window, query_array, self.scale, method
+        )
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Start ``child`` as a copy of ``parent`` that shares every block (no copy).
@@ -490,7 +405,7 @@ class KVCacheManager:
         """
         seq = self._get(parent)
         self._check_new_id(child)
-        self._check_settled(seq, "fork")
+        check_settled(seq, "fork")
         twin = seq.fork(child)
         self.pool.allocator.share(seq.table.block_ids)
         self._seqs[child] = twin
@@ -511,16 +426,9 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if seq.state is not SequenceState.RUNNING:
             raise SequenceStateError(f"sequence {seq_id!r} is {seq.state.value}, not running")
-        keep = min(seq.num_written)
-        if keep == seq.table.num_tokens:
-            return
-        released = seq.table.truncate(keep)
+        released = seq.take_back_unwritten()
         if released:
             self.pool.allocator.free(released)
-        seq.num_written = [keep] * self.pool.num_layers
-        if seq.token_ids is not None:
-            del seq.token_ids[keep:]
-        seq.reservation_id = 0
 
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
@@ -558,7 +466,7 @@ class KVCacheManager:
             seq.num_written = [0] * self.pool.num_layers
         else:
             host = self._host()
-            self._check_settled(seq, "swap out")
+            check_settled(seq, "swap out")
             swap_out(seq, self.pool, host)
             self._counters["swaps_out"] += 1
         seq.reservation_id = 0
@@ -626,20 +534,8 @@ class KVCacheManager:
             self.host_pool.check_invariants()
         if self._sharing is not None:
             self._sharing.cache.check_invariants()
-        bs = self.pool.block_size
         for seq in self._seqs.values():
-            keyed = self._sharing is not None and seq.token_ids is not None
-            if keyed and seq.state is not SequenceState.PREEMPTED:
-                assert seq.token_ids is not None
-                if len(seq.token_ids) != seq.table.num_tokens:
-                    raise AssertionError(f"sequence {seq.seq_id!r}: token ids and table disagree")
-                if len(seq.block_keys) > min(seq.num_written) // bs:
-                    raise AssertionError(f"sequence {seq.seq_id!r} has keys for unwritten blocks")
-            seq.table.check_invariants()
-            if seq.state is SequenceState.PREEMPTED and seq.table.num_blocks:
-                raise AssertionError(f"preempted sequence {seq.seq_id!r} still holds blocks")
-            if any(n > seq.table.num_tokens for n in seq.num_written):
-                raise AssertionError(f"sequence {seq.seq_id!r} has more written than reserved")
+            seq.check_invariants(keyed=self._sharing is not None)
             if seq.state is SequenceState.SWAPPED and self.host_pool is None:
                 raise AssertionError("a swapped sequence without a host pool")
 
@@ -678,94 +574,20 @@ class KVCacheManager:
     # ---------------------------------------------------------------- private
 
     def _get(self, seq_id: Hashable) -> SequenceRecord:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise UnknownSequenceError(
-                f"no sequence {seq_id!r}; known: {_preview(list(self._seqs))}"
-            ) from None
-        except TypeError as error:
-            raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
+        return self._seqs.record(seq_id)
 
     def _check_new_id(self, seq_id: Hashable) -> None:
-        try:
-            known = seq_id in self._seqs
-        except TypeError as error:
-            raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
-        if known:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-
-    def _check_settled(self, seq: SequenceRecord, action: str) -> None:
-        if seq.state is not SequenceState.RUNNING:
-            raise SequenceStateError(f"cannot {action} sequence {seq.seq_id!r}: it is {seq.state.value}")
-        pending = seq.pending_layers()
-        if pending:
-            raise SequenceStateError(
-                f"cannot {action} sequence {seq.seq_id!r}: layers {pending} have not written its "
-                f"{seq.table.num_tokens - min(seq.num_written)} newest tokens"
-            )
-
-    def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise InputTypeError(f"layer must be an int, got {layer!r}")
-        if not 0 <= layer < self.pool.num_layers:
-            raise LayerIndexError(f"layer {layer} is out of range 0..{self.pool.num_layers - 1}")
+        self._seqs.check_new(seq_id)
 
     def _host(self) -> KVPool:
         if self.host_pool is None:
             raise ConfigError("swap needs a host pool: KVCacheManager(..., host_pool=KVPool(...))")
         return self.host_pool
 
-    def _tokens(self, name: str, value: Any, expected: tuple[int, int, int]) -> npt.NDArray[Any]:
-        array, _ = as_vectors(name, value, self.pool.dtype, ndims=(3,))
-        if array.shape != expected:
-            raise ShapeError(
-                f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
-            )
-        return array
-
-    def _batch_seqs(self, batch: Batch) -> list[SequenceRecord]:
-        if not isinstance(batch, Batch):
-            raise InputTypeError(f"batch must be a Batch from reserve(), got {type(batch).__name__}")
-        seqs = []
-        for seq_id, stamp in zip(batch.seq_ids, batch.reservation_ids):
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq.reservation_id != stamp or seq.state is not SequenceState.RUNNING:
-                raise SequenceStateError(
-                    f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
-                    "freed, preempted or reserved again); reserve again (cancel_reservation() "
-                    "takes back the other sequences' unwritten tokens)"
-                )
-            seqs.append(seq)
-        return seqs
-
     def _request_records(self, requests: list[Request]) -> list[SequenceRecord]:
-        """Each request's record, every request checked: known, once, settled, a count >= 1."""
-        seen: set[Hashable] = set()
-        records = []
-        keyed = self._sharing is not None
-        num_layers = self.pool.num_layers
-        for request in requests:
-            seq = self._get(request.seq_id)
-            if request.seq_id in seen:
-                raise DuplicateSequenceError(
-                    f"sequence {request.seq_id!r} appears twice in one reservation"
-                )
-            seen.add(request.seq_id)
-            if request.num_new_tokens < 1:
-                check_count(f"tokens for sequence {request.seq_id!r}", request.num_new_tokens)
-            # Fast path: the last layer written and one layer means settled.
-            settled = seq.state is SequenceState.RUNNING and seq.num_written[-1] == seq.table.num_tokens
-            if not settled or (num_layers > 1 and seq.pending_layers()):
-                self._check_settled(seq, "reserve for")
-            if keyed and request.token_ids is None and seq.token_ids is not None:
-                raise ConfigError(
-                    f"sequence {request.seq_id!r} caches its blocks by prefix, so its reservations need "
-                    f"token ids ({{{request.seq_id!r}: [17, 4, ...]}}), not a count; or add it with "
-                    "add_sequence(..., cache_blocks=False)"
-                )
-            records.append(seq)
-        return records
+        return resolve_requests(
+            self._seqs, requests, keyed=self._sharing is not None, num_layers=self.pool.num_layers
+        )
 
     def _plan(self, requests: list[Request], records: list[SequenceRecord]) -> ReservationPlan:
         return plan_reservation(
@@ -778,17 +600,3 @@ class KVCacheManager:
             self.pool.allocator.free(released)
         elif seq.state is SequenceState.SWAPPED:
             self._host().allocator.free(released)
-
-
-def _prompt_ids(prompt: object) -> list[int]:
-    """A prompt's token ids as a list, validated (ints in int64 range, non-negative)."""
-    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence | np.ndarray):
-        raise InputTypeError(f"prompt must be a sequence of token ids, got {prompt!r}")
-    token_ids = [int(t) if isinstance(t, np.integer) else t for t in prompt]
-    token_bytes(token_ids)  # validates
-    return token_ids
-
-
-def _preview(items: list[Any], limit: int = 5) -> str:
-    shown = ", ".join(repr(item) for item in items[:limit])
-    return f"[{shown}{', ...' if len(items) > limit else ''}]" if items else "none"

@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from pagedkv.pool import KVPool
     from pagedkv.sequence import SequenceState
 
-__all__ = ["ManagerMetrics", "collect_metrics"]
+__all__ = ["COUNTERS", "ManagerMetrics", "collect_metrics"]
+
+#: The event counters every manager keeps (and a snapshot saves).
+COUNTERS = ("forks", "copy_on_write", "preemptions", "swaps_out", "swaps_in", "prefix_queries",
+            "prefix_hits", "resumed_reuse")
 
 
 @dataclass(frozen=True, slots=True)

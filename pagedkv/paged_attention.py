@@ -22,11 +22,12 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
-from pagedkv.block_table import BlockTable, ReadPlan
+from pagedkv.block_table import BlockTable
 from pagedkv.pool import KVPool
 from pagedkv.quantization import attend_chunked, attend_chunked_masked
+from pagedkv.read_plan import ReadPlan
 
-__all__ = ["attend_decode_padded", "attend_sequence", "visible_ranges"]
+__all__ = ["attend_batch", "attend_decode_padded", "attend_sequence", "visible_ranges"]
 
 
 def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> list[tuple[int, int]]:
@@ -144,3 +145,37 @@ def attend_decode_padded(
     keys, values = pool.gather(layer, ReadPlan(padded.size, slots=padded.ravel()))
     shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
     return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)
+
+
+def attend_batch(
+    pool: KVPool,
+    layer: int,
+    tables: list[BlockTable],
+    query_start: npt.NDArray[np.int64],
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+    method: str = "loop",
+) -> npt.NDArray[Any]:
+    """Attention of a batch's new tokens, each sequence over its own table.
+
+    Args:
+        pool: the pool holding the tables' blocks.
+        layer: the layer whose storage to read.
+        tables: one table per sequence, in batch order.
+        query_start: ``(len(tables) + 1,)`` offsets of each sequence's queries.
+        window: the layer's window, or None.
+        queries: ``(num_tokens, num_q_heads, head_dim)``.
+        scale: multiplies every score.
+        method: ``"loop"`` (one ``attend_sequence`` per table) or ``"padded"``
+            (one ``attend_decode_padded`` call when every sequence has one new token).
+
+    Returns:
+        A new ``(num_tokens, num_q_heads, head_dim)`` array.
+    """
+    if method == "padded" and len(queries) == len(tables):
+        return attend_decode_padded(pool, layer, tables, window, queries, scale)
+    out = np.empty_like(queries)
+    for table, lo, hi in zip(tables, query_start[:-1], query_start[1:]):
+        out[lo:hi] = attend_sequence(pool, layer, table, window, queries[lo:hi], scale)
+    return out

@@ -25,9 +25,9 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.block_table import ReadPlan
 from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.errors import ConfigError
+from pagedkv.inputs import check_dtype
 from pagedkv.quantization import (
     QuantizedTokens,
     StorageFormat,
@@ -38,15 +38,12 @@ from pagedkv.quantization import (
     take_tokens,
     write_tokens,
 )
+from pagedkv.read_plan import ReadPlan
 
-__all__ = ["SUPPORTED_DTYPES", "BlockHolder", "KVPool"]
+__all__ = ["BlockHolder", "KVPool"]
 
 #: One side of a layer's storage: floats or codes, scales or None, format or None.
 _Side = tuple[npt.NDArray[Any], "npt.NDArray[np.floating] | None", "StorageFormat | None"]
-
-#: Storage dtypes a float pool accepts (quantized storage is a separate option).
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
 
 class BlockHolder(Protocol):
     """Anything that holds blocks of a pool: a block table, or a manager's sequences in one state.
@@ -58,17 +55,6 @@ class BlockHolder(Protocol):
     def held_block_ids(self) -> Iterable[int]:
         """Every block id held, once per table that holds it."""
         ...
-
-
-def storage_dtype(dtype: object) -> np.dtype[np.floating]:
-    """Validate a float storage dtype (float32 or float64) and return it."""
-    try:
-        resolved = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError as error:
-        raise InputTypeError(f"dtype must be float32 or float64, got {dtype!r}") from error
-    if resolved not in SUPPORTED_DTYPES:
-        raise ConfigError(f"dtype must be float32 or float64, got {resolved}")
-    return resolved  # type: ignore[no-any-return]
 
 
 class KVPool:
@@ -128,7 +114,7 @@ class KVPool:
         self.head_dim = check_count("head_dim", head_dim)
         self.num_layers = check_count("num_layers", num_layers)
         num_blocks = check_count("num_blocks", num_blocks)
-        self.dtype = storage_dtype(dtype)
+        self.dtype = check_dtype(dtype)
         self.growable = growable
         #: Storage dtype names of keys and values (None: unquantized, in ``dtype``).
         self.key_dtype = check_storage_dtype("key_dtype", key_dtype)

@@ -24,12 +24,22 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from numbers import Integral
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
 
-__all__ = ["ROOT_KEY", "PrefixCache", "block_keys", "encode_extra_keys", "hash_function"]
+__all__ = [
+    "HASH_KEY_SIZES",
+    "ROOT_KEY",
+    "PrefixCache",
+    "as_token_ids",
+    "block_keys",
+    "check_hash_algorithm",
+    "encode_extra_keys",
+    "hash_function",
+]
 
 #: The parent key of block 0.
 ROOT_KEY = b"pagedkv-prefix-root-v1"
@@ -40,6 +50,21 @@ EXTRA_KEY_KINDS = ("salt", "adapter", "multimodal")
 HashFunction = Callable[[bytes], bytes]
 
 
+#: The block hashes, by name, and the size of the keys each makes.
+HASH_KEY_SIZES = {"sha256": 32, "xxh3_128": 16}
+
+
+def check_hash_algorithm(name: object) -> str:
+    """Validate a block hash's name (without importing it); return it.
+
+    Raises:
+        ConfigError: not one of ``HASH_KEY_SIZES``.
+    """
+    if not isinstance(name, str) or name not in HASH_KEY_SIZES:
+        raise ConfigError(f"hash_algorithm must be 'sha256' or 'xxh3_128', got {name!r}")
+    return name
+
+
 def hash_function(name: str) -> HashFunction:
     """The block hash called ``name``: ``"sha256"`` or ``"xxh3_128"``.
 
@@ -47,19 +72,18 @@ def hash_function(name: str) -> HashFunction:
         ConfigError: an unknown name.
         ImportError: ``"xxh3_128"`` without the ``xxhash`` extra installed.
     """
+    check_hash_algorithm(name)
     if name == "sha256":
         sha256 = hashlib.sha256
         return lambda data: sha256(data).digest()
-    if name == "xxh3_128":
-        try:
-            import xxhash
-        except ImportError as error:
-            raise ImportError(
-                'hash_algorithm="xxh3_128" needs the xxhash package: pip install "pagedkv[xxhash]"'
-            ) from error
-        xxh3 = xxhash.xxh3_128_digest
-        return lambda data: bytes(xxh3(data))
-    raise ConfigError(f"hash_algorithm must be 'sha256' or 'xxh3_128', got {name!r}")
+    try:
+        import xxhash
+    except ImportError as error:
+        raise ImportError(
+            'hash_algorithm="xxh3_128" needs the xxhash package: pip install "pagedkv[xxhash]"'
+        ) from error
+    xxh3 = xxhash.xxh3_128_digest
+    return lambda data: bytes(xxh3(data))
 
 
 def _field(tag: bytes, data: bytes) -> bytes:
@@ -97,6 +121,23 @@ def encode_extra_keys(extra_keys: Mapping[str, str | bytes | int] | None) -> byt
             data = b"i" + str(value).encode("ascii")
         parts.append(_field(b"X", _field(b"K", kind.encode("ascii")) + _field(b"V", data)))
     return b"".join(parts)
+
+
+def as_token_ids(value: object, what: str) -> list[int]:
+    """``value`` (a sequence of ints, numpy ints included) as a list of token ids, validated.
+
+    ``what`` says what was expected, for the error ("prompt must be a sequence of token ids").
+
+    Raises:
+        InputTypeError: not a sequence (a str or bytes included), or an id is
+            not an int in ``0 .. 2**63 - 1``.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not hasattr(value, "__len__"):
+        raise InputTypeError(f"{what}, got {value!r}")
+    # numpy ints become ints; bools and anything else stay for token_bytes to refuse.
+    token_ids = [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in value]
+    token_bytes(token_ids)
+    return token_ids
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -28,7 +28,7 @@ class PrefixSharing:
         allocator: the device pool's allocator.
         block_size: the pool's block size.
         num_sink_tokens: the manager's sink tokens (sink blocks are always shared).
-        max_size: the window that frees blocks, or None.
+        window: the window that frees blocks, or None.
         num_layers: layers of the pool (a hit counts as written in every one).
         hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix_cache.hash_function`).
 
@@ -43,7 +43,7 @@ class PrefixSharing:
         *,
         block_size: int,
         num_sink_tokens: int,
-        max_size: int | None,
+        window: int | None,
         num_layers: int,
         hash_algorithm: str,
     ) -> None:
@@ -51,7 +51,7 @@ class PrefixSharing:
         self._allocator = allocator
         self._block_size = block_size
         self._num_sink_tokens = num_sink_tokens
-        self._max_size = max_size
+        self._window = window
         self._num_layers = num_layers
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator)
@@ -74,8 +74,8 @@ class PrefixSharing:
             return 0
         num_hit = len(hit) * bs
         window_start = self._num_sink_tokens
-        if self._max_size is not None:
-            window_start = max(window_start, num_hit + 1 - self._max_size)
+        if self._window is not None:
+            window_start = max(window_start, num_hit + 1 - self._window)
         window_start = min(window_start, num_hit)
         num_sink_blocks = min(record.table.num_sink_blocks, len(hit))
         first = max(num_sink_blocks, window_start // bs)

@@ -15,18 +15,37 @@ Per sequence, in order::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
 from pagedkv.allocator import BlockAllocator
+from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
-from pagedkv.errors import ConfigError, InputTypeError
-from pagedkv.prefix_cache import token_bytes
+from pagedkv.counts import check_count
+from pagedkv.errors import ConfigError, DuplicateSequenceError, InputTypeError
+from pagedkv.pool import KVPool
+from pagedkv.prefix_cache import as_token_ids
+from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState, check_settled
 
-__all__ = ["Request", "Requests", "ReservationPlan", "SequenceStep", "parse_requests", "plan_reservation"]
+__all__ = [
+    "Request",
+    "Requests",
+    "ReservationPlan",
+    "SequenceStep",
+    "commit_reservation",
+    "parse_requests",
+    "plan_reservation",
+    "resolve_requests",
+]
+
+# NOTE: one counter for every manager, so a Batch from another manager never
+# matches a stamp here (per-manager counters both start at 1).
+_RESERVATION_IDS = itertools.count(1)
 
 # NOTE: Mapping is invariant in its key type, so Mapping[Hashable, ...] would refuse a
 # dict[str, int]; Any keys (validated as hashable at run time) accept every dict.
@@ -111,21 +130,55 @@ def parse_requests(requests: Requests) -> list[Request]:
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             result.append(Request(seq_id, int(value), None))
             continue
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
-            raise InputTypeError(
-                f"sequence {seq_id!r}: give a token count or a list of token ids, got {value!r}"
-            )
-        token_ids = [int(t) if isinstance(t, np.integer) else t for t in value]
-        token_bytes(token_ids)  # validates
+        token_ids = as_token_ids(value, f"sequence {seq_id!r}: give a token count or a list of token ids")
         result.append(Request(seq_id, len(token_ids), token_ids))
     return result
+
+
+def resolve_requests(
+    records: SequenceRegistry, requests: Sequence[Request], *, keyed: bool, num_layers: int
+) -> list[SequenceRecord]:
+    """Each request's record, every request checked: known, once, a count >= 1, settled.
+
+    Args:
+        records: the manager's records.
+        requests: from :func:`parse_requests`.
+        keyed: prefix caching is on, so a keyed sequence needs token ids, not a count.
+        num_layers: the pool's layers.
+
+    Raises:
+        UnknownSequenceError, DuplicateSequenceError, ConfigError, InputTypeError,
+        SequenceStateError: as ``KVCacheManager.reserve`` documents.
+    """
+    seen: set[Hashable] = set()
+    resolved = []
+    for request in requests:
+        record = records.record(request.seq_id)
+        if request.seq_id in seen:
+            raise DuplicateSequenceError(f"sequence {request.seq_id!r} appears twice in one reservation")
+        seen.add(request.seq_id)
+        if request.num_new_tokens < 1:
+            check_count(f"tokens for sequence {request.seq_id!r}", request.num_new_tokens)
+        # Fast path: the last layer written and one layer means settled.
+        table = record.table
+        settled = record.state is SequenceState.RUNNING and record.num_written[-1] == table.num_tokens
+        if not settled or (num_layers > 1 and record.pending_layers()):
+            check_settled(record, "reserve for")
+        if keyed and request.token_ids is None and record.token_ids is not None:
+            raise ConfigError(
+                f"sequence {request.seq_id!r} caches its blocks by prefix, so its reservations need "
+                f"token ids ({{{request.seq_id!r}: [17, 4, ...]}}), not a count; or add it with "
+                "add_sequence(..., cache_blocks=False)"
+            )
+        resolved.append(record)
+    return resolved
 
 
 def plan_reservation(
     tables: Sequence[BlockTable],
     requests: Sequence[Request],
     allocator: BlockAllocator,
-    max_size: int | None,
+    window: int | None,
 ) -> ReservationPlan:
     """Plan ``requests`` (already validated) against their sequences' ``tables``; change nothing.
 
@@ -133,7 +186,7 @@ def plan_reservation(
         tables: the block table of each request's sequence, in order.
         requests: the requests, each sequence once.
         allocator: the pool's allocator (only its ref counts and free count are read).
-        max_size: the window that frees blocks, or None.
+        window: the window that frees blocks, or None.
 
     A block released by a later sequence counts as available to an earlier
     sequence's new blocks: ``reserve`` evicts for every sequence first.
@@ -145,8 +198,8 @@ def plan_reservation(
     for table, request in zip(tables, requests):
         block_size = table.block_size
         window_start = table.window_start
-        if max_size is not None:
-            window_start = table.num_tokens + 1 - max_size
+        if window is not None:
+            window_start = table.num_tokens + 1 - window
             for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
                 ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
                 if ref_drops[block_id] == allocator.ref_count(block_id):
@@ -169,4 +222,59 @@ def plan_reservation(
         num_released_blocks=num_released,
         num_free_blocks=num_free,
         steps=tuple(steps),
+    )
+
+
+def commit_reservation(
+    records: Sequence[SequenceRecord],
+    requests: Sequence[Request],
+    plan: ReservationPlan,
+    pool: KVPool,
+    windowed: bool,
+) -> Batch:
+    """Carry out a plan that fits: evict, copy on write, append; stamp each record; return the batch.
+
+    Nothing here can fail: the plan was made from these records and the
+    pool's current state, and it fits.
+    """
+    allocator = pool.allocator
+    bs = pool.block_size
+    if windowed:
+        # Every eviction first: the plan counts a later sequence's released
+        # blocks as available to an earlier sequence's new blocks.
+        for record, step in zip(records, plan.steps):
+            if step.window_start > record.table.window_start:
+                released = record.table.evict_to(step.window_start)
+                if released:
+                    allocator.free(released)
+    slots: list[int] = []
+    first_positions, stamps = [], []
+    for record, request, step in zip(records, requests, plan.steps):
+        if request.token_ids is None:
+            record.token_ids = None  # a count: this sequence's token ids are unknown from here on
+        elif record.token_ids is not None:
+            record.token_ids.extend(request.token_ids)
+        table = record.table
+        if step.copy_on_write:
+            copy = allocator.allocate_one()
+            pool.copy_blocks([table.last_block_id], [copy])
+            allocator.free_one(table.replace_last(copy))
+        start = table.num_tokens
+        num_new = request.num_new_tokens
+        table.append(num_new, allocator.allocate(step.num_new_blocks) if step.num_new_blocks else [])
+        first_positions.append(start)
+        if num_new == 1:
+            slots.append(table.last_block_id * bs + start % bs)
+        else:
+            slots.extend(table.slots(start, start + num_new))
+        record.reservation_id = stamp = next(_RESERVATION_IDS)
+        stamps.append(stamp)
+    counts = [request.num_new_tokens for request in requests]
+    return Batch(
+        seq_ids=tuple(request.seq_id for request in requests),
+        num_new_tokens=tuple(counts),
+        first_positions=tuple(first_positions),
+        query_start=np.array([0, *accumulate(counts)], np.int64),
+        slot_mapping=np.array(slots, np.int64),
+        reservation_ids=tuple(stamps),
     )

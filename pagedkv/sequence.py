@@ -15,10 +15,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.block_table import BlockTable, TableState
+from pagedkv.errors import DuplicateSequenceError, InputTypeError, SequenceStateError, UnknownSequenceError
 
-__all__ = ["RecordState", "SequenceHolder", "SequenceRecord", "SequenceState"]
+__all__ = [
+    "ManagerState",
+    "RecordState",
+    "SequenceHolder",
+    "SequenceRecord",
+    "SequenceRegistry",
+    "SequenceState",
+    "check_settled",
+    "pending_layers",
+]
 
 
 class SequenceState(enum.Enum):
@@ -50,6 +61,26 @@ class RecordState:
     token_ids: list[int] | None
     block_keys: list[bytes]
     extras: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerState:
+    """A manager's state beyond its configuration and pools (what a snapshot saves).
+
+    Attributes:
+        max_abs_key: the largest |key| written so far, per layer.
+        counters: the event counters (``pagedkv.manager.COUNTERS``).
+        records: every sequence's record, in the order they were added.
+        prefix_keys: ``(block_id, key)`` of every prefix key in insertion order
+            (empty without prefix caching).
+        num_prefix_evictions: prefix keys dropped for reuse so far.
+    """
+
+    max_abs_key: list[float]
+    counters: dict[str, int]
+    records: list[RecordState]
+    prefix_keys: list[tuple[int, bytes]]
+    num_prefix_evictions: int
 
 
 class SequenceRecord:
@@ -99,7 +130,40 @@ class SequenceRecord:
 
     def pending_layers(self) -> list[int]:
         """Layers that have not written every reserved token."""
-        return [layer for layer, n in enumerate(self.num_written) if n != self.table.num_tokens]
+        return pending_layers(self.num_written, self.table.num_tokens)
+
+    def take_back_unwritten(self) -> list[int]:
+        """Return to the tokens every layer wrote; give back the blocks that then hold nothing.
+
+        Any outstanding reservation becomes stale. The caller frees the returned ids.
+        """
+        keep = min(self.num_written)
+        if keep == self.table.num_tokens:
+            return []
+        released = self.table.truncate(keep)
+        self.num_written = [keep] * len(self.num_written)
+        if self.token_ids is not None:
+            del self.token_ids[keep:]
+        self.reservation_id = 0
+        return released
+
+    def check_invariants(self, *, keyed: bool) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken.
+
+        Args:
+            keyed: the manager runs prefix caching.
+        """
+        self.table.check_invariants()
+        name = f"sequence {self.seq_id!r}"
+        if keyed and self.token_ids is not None and self.state is not SequenceState.PREEMPTED:
+            if len(self.token_ids) != self.table.num_tokens:
+                raise AssertionError(f"{name}: token ids and table disagree")
+            if len(self.block_keys) > min(self.num_written) // self.table.block_size:
+                raise AssertionError(f"{name} has keys for unwritten blocks")
+        if self.state is SequenceState.PREEMPTED and self.table.num_blocks:
+            raise AssertionError(f"preempted {name} still holds blocks")
+        if any(n > self.table.num_tokens for n in self.num_written):
+            raise AssertionError(f"{name} has more written than reserved")
 
     def export_state(self) -> RecordState:
         """This record as plain values (copies)."""
@@ -150,3 +214,61 @@ class SequenceHolder:
             if record.state is state
             for block_id in record.table.block_ids
         ]
+
+
+class SequenceRegistry(dict[Hashable, SequenceRecord]):
+    """A manager's records by sequence id, in the order they were added; lookups fail typed."""
+
+    def record(self, seq_id: Hashable) -> SequenceRecord:
+        """The record of ``seq_id``.
+
+        Raises:
+            UnknownSequenceError: no such sequence (or it was freed).
+            InputTypeError: ``seq_id`` is not hashable.
+        """
+        try:
+            return self[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"no sequence {seq_id!r}; known: {_preview(list(self))}") from None
+        except TypeError as error:
+            raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
+
+    def check_new(self, seq_id: Hashable) -> None:
+        """Refuse ``seq_id`` for a new sequence unless it is hashable and unused.
+
+        Raises:
+            DuplicateSequenceError: it is in use.
+            InputTypeError: it is not hashable.
+        """
+        try:
+            known = seq_id in self
+        except TypeError as error:
+            raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
+        if known:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+
+
+def pending_layers(num_written: list[int], num_tokens: int) -> list[int]:
+    """Layers whose written count is not ``num_tokens`` (of a record, or of a saved one)."""
+    return [layer for layer, n in enumerate(num_written) if n != num_tokens]
+
+
+def check_settled(record: SequenceRecord, action: str) -> None:
+    """Refuse ``action`` unless ``record`` is running and every layer wrote every reserved token.
+
+    Raises:
+        SequenceStateError: it is preempted or swapped, or a layer lags behind.
+    """
+    if record.state is not SequenceState.RUNNING:
+        raise SequenceStateError(f"cannot {action} sequence {record.seq_id!r}: it is {record.state.value}")
+    pending = record.pending_layers()
+    if pending:
+        raise SequenceStateError(
+            f"cannot {action} sequence {record.seq_id!r}: layers {pending} have not written its "
+            f"{record.table.num_tokens - min(record.num_written)} newest tokens"
+        )
+
+
+def _preview(items: list[Any], limit: int = 5) -> str:
+    shown = ", ".join(repr(item) for item in items[:limit])
+    return f"[{shown}{', ...' if len(items) > limit else ''}]" if items else "none"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv import cli
-from pagedkv.check import UsageError, load_factory, main, parse_max_sizes
+from pagedkv.testing.check import UsageError, load_factory, main, parse_max_sizes
 
 
 def pagedkv_check(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -7,6 +7,7 @@ few seconds; ``PAGEDKV_HYPOTHESIS_PROFILE=ci`` runs eight times the examples.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -23,6 +24,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from pagedkv import KVCache, KVPool
 from pagedkv.testing import (
+    CacheMachine,
     CheckedCache,
     ContractError,
     Verdict,
@@ -32,15 +34,11 @@ from pagedkv.testing import (
     run_cache_machine,
 )
 from pagedkv.testing.buggy import PLANTED_BUGS, EvictsAfterScoring, FreesBlockEarly, SeedCache
+from pagedkv.testing.factory_code import FactoryCode, describe_factory
+from pagedkv.testing.machine import MachineRun
 from pagedkv.testing.oracle import FLOAT32_EPS, FLOAT64_EPS, attend, tolerance
-from pagedkv.testing.program import (
-    AttendStep,
-    FactoryCode,
-    OpenStep,
-    describe_factory,
-    render_program,
-    shrink_program,
-)
+from pagedkv.testing.program import AttendStep, OpenStep, render_program
+from pagedkv.testing.shrink import shrink_program
 from pagedkv.testing.strategies import (
     LAYOUTS,
     Shape,
@@ -477,6 +475,64 @@ def test_run_cache_machine_reports_counts_and_replays_with_the_same_seed() -> No
     assert first.passed and first.seed == 7
     assert (first.num_examples, first.num_steps) == (again.num_examples, again.num_steps)
     assert f"{first.num_steps:,} attend calls" in first.report()
+
+
+def _outcome(verdict: Verdict) -> tuple[Any, ...]:
+    """Everything a verdict says except the wall time."""
+    return (
+        verdict.passed, verdict.num_examples, verdict.num_steps, verdict.num_caches,
+        verdict.first_failing_example, verdict.num_program_steps, verdict.failure,
+        verdict.reproducer, verdict.checks,
+    )
+
+
+def test_two_runs_of_one_machine_in_one_process_do_not_see_each_other() -> None:
+    # One machine class, two runs: a planted bug (seed 0) and a clean cache
+    # (seed 1). Interleaved, the clean run starts and ends inside the planted
+    # run's first factory call. Each must give exactly the verdict it gives
+    # alone: no counts, first failing example or failure carried across.
+    state: dict[str, Any] = {"cache": EvictsAfterScoring}
+    inside: list[Any] = []  # run once, at the next factory call
+
+    def factory(max_size: int | None = None) -> SeedCache:
+        while inside:
+            inside.pop()()
+        cache: SeedCache = state["cache"](max_size)
+        return cache
+
+    machine = make_cache_machine(factory)
+    nested: list[Verdict] = []
+
+    def run_with(cache: type[SeedCache], seed: int) -> Verdict:
+        before, state["cache"] = state["cache"], cache
+        try:
+            return run_cache_machine(machine, max_examples=20, seed=seed, steps=10)
+        finally:
+            state["cache"] = before
+
+    planted_alone = run_with(EvictsAfterScoring, 0)
+    clean_alone = run_with(SeedCache, 1)
+    assert not planted_alone.passed and clean_alone.passed
+
+    inside.append(lambda: nested.append(run_with(SeedCache, 1)))
+    planted = run_with(EvictsAfterScoring, 0)
+    assert len(nested) == 1
+    assert _outcome(nested[0]) == _outcome(clean_alone)
+    assert _outcome(planted) == _outcome(planted_alone)
+
+
+def test_a_cache_machine_takes_its_options_and_run_as_arguments() -> None:
+    machine = make_cache_machine(SeedCache, max_caches=1)
+    first, second = MachineRun(), MachineRun()
+    a, b = machine(run=first), machine(machine.options, second)
+    assert a.options is b.options is machine.options
+    assert a.run is first and b.run is second
+    with pytest.raises(TypeError, match="make_cache_machine"):
+        CacheMachine()
+    with pytest.raises(TypeError, match="make_cache_machine"):
+        run_cache_machine(CacheMachine)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        machine.options.max_caches = 2  # type: ignore[misc]
 
 
 def test_the_oracle_imports_without_hypothesis_and_the_rest_names_the_extra() -> None:

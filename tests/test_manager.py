@@ -9,16 +9,20 @@ the sequence's own token history, and decode outputs (one new token, method
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
 import pytest
+import support.managers
 from hypothesis import given
 from hypothesis import strategies as st
+from support.managers import ceil_div
+from support.windows import visible
 
-from pagedkv import KVCacheManager, KVPool, PoolExhaustedError, SequenceState
+from pagedkv import KVCacheManager, PoolExhaustedError, SequenceState
 from pagedkv.reference import attend_window
 from pagedkv.testing.oracle import FLOAT32_EPS, FLOAT64_EPS, attend, within_tolerance
 
@@ -27,35 +31,16 @@ DTYPES = [np.float64, np.float32]
 # ----------------------------------------------------------------- helpers
 
 
-def make_manager(
-    *,
-    num_blocks: int = 32,
-    block_size: int = 4,
-    num_layers: int = 2,
-    num_kv_heads: int = 2,
-    num_q_heads: int = 4,
-    head_dim: int = 3,
-    dtype: Any = np.float64,
-    host_blocks: int | None = None,
-    **kwargs: Any,
-) -> KVCacheManager:
-    shape = dict(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_layers=num_layers,
-        dtype=dtype,
-    )
-    pool = KVPool(num_blocks, **shape)
-    host = KVPool(host_blocks, **shape) if host_blocks else None
-    return KVCacheManager(pool, num_q_heads=num_q_heads, host_pool=host, **kwargs)
-
-
-def visible(position: int, num_sinks: int, window: int | None) -> list[int]:
-    """Logical indices the token at ``position`` attends to: the sinks, then the window."""
-    sinks = list(range(min(num_sinks, position + 1)))
-    start = num_sinks if window is None else max(num_sinks, position - window + 1)
-    return sinks + list(range(start, position + 1))
+#: What most tests here run on: 32 blocks of 4, 2 layers, 4 query heads over 2 kv heads, head_dim 3.
+make_manager = functools.partial(
+    support.managers.make_manager,
+    num_blocks=32,
+    block_size=4,
+    num_layers=2,
+    num_kv_heads=2,
+    num_q_heads=4,
+    head_dim=3,
+)
 
 
 Arrays = list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per layer: (k, v, q)
@@ -425,8 +410,8 @@ def test_windowed_sequence_with_sinks_attends_exactly_sinks_plus_window(window: 
     assert got == pytest.approx(sum(seen) / len(seen), abs=1e-12)
     table = m.block_table("a")
     # the sink block(s) are kept forever, window blocks slide
-    num_sink_blocks = -(-sinks // 2)
-    assert table.num_blocks <= num_sink_blocks + -(-(window - 1) // 2) + 1
+    num_sink_blocks = ceil_div(sinks, 2)
+    assert table.num_blocks <= num_sink_blocks + ceil_div(window - 1, 2) + 1
     assert table.block_ids[:num_sink_blocks] == list(range(num_sink_blocks))
 
 

@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv.block_table import BlockTable, ReadPlan
+from pagedkv.block_table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError
 from pagedkv.pool import KVPool
+from pagedkv.read_plan import ReadPlan
 
 
 def fill(pool: KVPool, table: BlockTable, num_tokens: int, start: float = 0.0) -> None:

@@ -36,8 +36,8 @@ from pagedkv.simulate import (
     sweep,
     synthetic,
 )
-from pagedkv.simulate.requests import RequestState
 from pagedkv.simulate.progress import Progress
+from pagedkv.simulate.requests import RequestState
 
 # ----------------------------------------------------------------- workloads
 

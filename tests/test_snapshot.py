@@ -39,7 +39,8 @@ from pagedkv.errors import (
     SnapshotError,
 )
 from pagedkv.manager import SequenceState
-from pagedkv.snapshot_state import capture_manager
+from pagedkv.snapshot import format as snapshot_format
+from pagedkv.snapshot.capture import capture_manager
 
 pytest.importorskip("safetensors")
 pytest.importorskip("ml_dtypes")
@@ -186,7 +187,7 @@ class Driver:
     def step(self, requests: dict[Hashable, list[int]], method: str = "loop") -> Any:
         manager = self.manager
         starts = {seq_id: manager.num_tokens(seq_id) for seq_id in requests}
-        with_ids = manager._prefix is not None
+        with_ids = manager.prefix_caching
         batch = manager.reserve({s: (t if with_ids else len(t)) for s, t in requests.items()})
         outputs = []
         for layer in range(manager.pool.num_layers):
@@ -319,7 +320,7 @@ def test_only_blocks_in_use_are_saved(tmp_path: Any) -> None:
     manager.write(0, batch, kv, kv)
     path = str(tmp_path / "m.safetensors")
     snapshot.save(manager, path)
-    _, tensors = snapshot._read(path)
+    _, tensors = snapshot_format._read(path)
     assert tensors["device.keys.0"].shape == (2, 2, 16, 8)
     assert os.path.getsize(path) < 8 * 1024  # the 10,000-block pool itself would be 10 MB
 
@@ -435,14 +436,14 @@ def test_every_flipped_byte_is_refused(valid: tuple[str, bytes], tmp_path: Any) 
 def resigned(valid: tuple[str, bytes], folder: str, edit: Any, *, version: int = snapshot.VERSION,
              tensors_edit: Any = None) -> str:
     """A copy of the valid snapshot with its state edited and a correct checksum."""
-    metadata, tensors = snapshot._read(valid[0])
+    metadata, tensors = snapshot_format._read(valid[0])
     state = json.loads(metadata["state"])
     edit(state)
     tensors = {name: np.array(array) for name, array in tensors.items()}
     if tensors_edit is not None:
         tensors_edit(tensors)
     path = os.path.join(folder, "resigned.safetensors")
-    snapshot._write(path, state, tensors, version=version)
+    snapshot_format._write(path, state, tensors, version=version)
     return path
 
 

@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.viz``: pool snapshots, text page maps, PNG figures, the missing-extra error."""
+"""Tests for ``pagedkv.simulate.pagemap`` and ``plots``: page maps, their text, PNGs, the missing extra."""
 
 from __future__ import annotations
 
@@ -9,28 +9,18 @@ import numpy as np
 import pytest
 
 from pagedkv.simulate import Budget, PagedEngine, Request, SimConfig, Workload, run_policy, sweep, synthetic
-from pagedkv.viz import (
-    FREE,
-    SHARED,
-    MissingExtraError,
-    PoolSnapshot,
-    capture,
-    page_map_text,
-    plot_occupancy,
-    plot_page_map,
-    plot_sweep,
-    snapshot,
-)
+from pagedkv.simulate.pagemap import FREE, SHARED, PageMap, capture_page_maps, page_map_text, take_page_map
+from pagedkv.simulate.plots import MissingExtraError, plot_occupancy, plot_page_map, plot_sweep
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_snapshot_of_a_hand_built_state() -> None:
+def test_page_map_of_a_hand_built_state() -> None:
     # Request 0: prompt 6, n=2 -> after prefill both samples share xxxx|xx__;
     # request 1: prompt 3 -> xxx_. Pool of 6 blocks of 4.
     workload = Workload((Request(0, 6, 4, n=2), Request(1, 3, 4)))
-    snaps, _ = capture(workload, SimConfig(Budget(24), block_size=4, watermark=0.0), [0, 1])
-    first = snaps[0]
+    page_maps, _ = capture_page_maps(workload, SimConfig(Budget(24), block_size=4, watermark=0.0), [0, 1])
+    first = page_maps[0]
     assert first.owner.tolist() == [0, 0, 1, FREE, FREE, FREE]
     assert first.num_refs.tolist() == [2, 2, 1, 0, 0, 0]
     assert first.num_live.tolist() == [4, 2, 3, 0, 0, 0]
@@ -40,32 +30,32 @@ def test_snapshot_of_a_hand_built_state() -> None:
     )
     assert "  owner  AAb..." in text and "  fill   =--" in text and "requests a=#0 b=#1" in text
     # Step 1: the samples diverged; the partial block was copied for one of them.
-    second = snaps[1]
+    second = page_maps[1]
     assert second.num_refs.tolist().count(2) == 1 and int((second.owner == 0).sum()) == 3
 
 
 def test_shared_and_cached_free_blocks_are_marked() -> None:
     workload = synthetic("alpaca", 10, seed=0, num_prefix_groups=1, prefix_len=8, max_model_len=256)
     config = SimConfig(Budget(128), block_size=4, enable_prefix_caching=True)
-    snaps, result = capture(workload, config)
-    assert snaps[0].step == 0 and len(snaps) == result.num_steps
-    assert any((snap.owner == SHARED).any() for snap in snaps)  # the system prompt
-    assert any(snap.cached_free.any() for snap in snaps)  # freed blocks that stay findable
-    for snap in snaps:
-        used = snap.owner != FREE
-        assert (snap.num_refs[used] >= 1).all() and (snap.num_refs[~used] == 0).all()
-        assert not (snap.cached_free & used).any()
-    marks = "".join(page_map_text(snap, legend=False) for snap in snaps)
+    page_maps, result = capture_page_maps(workload, config)
+    assert page_maps[0].step == 0 and len(page_maps) == result.num_steps
+    assert any((page_map.owner == SHARED).any() for page_map in page_maps)  # the system prompt
+    assert any(page_map.cached_free.any() for page_map in page_maps)  # freed blocks that stay findable
+    for page_map in page_maps:
+        used = page_map.owner != FREE
+        assert (page_map.num_refs[used] >= 1).all() and (page_map.num_refs[~used] == 0).all()
+        assert not (page_map.cached_free & used).any()
+    marks = "".join(page_map_text(page_map, legend=False) for page_map in page_maps)
     assert "#" in marks and "+" in marks
 
 
 def test_page_map_wraps_rows_and_counts_match_the_engine() -> None:
     workload = synthetic("alpaca", 8, seed=2, max_model_len=256)
     config = SimConfig(Budget(300), block_size=2)
-    taken: list[tuple[PoolSnapshot, int]] = []
-    PagedEngine(workload, config).run(observer=lambda e: taken.append((snapshot(e), e.live_slots()[0])))
-    for snap, num_live in taken[:20]:
-        assert int(snap.num_live.sum()) == num_live
+    taken: list[tuple[PageMap, int]] = []
+    PagedEngine(workload, config).run(observer=lambda e: taken.append((take_page_map(e), e.live_slots()[0])))
+    for page_map, num_live in taken[:20]:
+        assert int(page_map.num_live.sum()) == num_live
     text = page_map_text(taken[0][0], width=50)
     owners = [line for line in text.splitlines() if line.startswith("  owner")]
     assert [len(line) - len("  owner  ") for line in owners] == [50, 50, 50]
@@ -74,8 +64,8 @@ def test_page_map_wraps_rows_and_counts_match_the_engine() -> None:
 
 def test_capture_thins_long_runs() -> None:
     workload = synthetic("alpaca", 6, seed=0, max_model_len=256)
-    snaps, result = capture(workload, SimConfig(Budget(64), block_size=4), max_snapshots=10)
-    assert len(snaps) == 10 and snaps[0].step == 0 and snaps[-1].step == result.num_steps - 1
+    page_maps, result = capture_page_maps(workload, SimConfig(Budget(64), block_size=4), max_page_maps=10)
+    assert len(page_maps) == 10 and page_maps[0].step == 0 and page_maps[-1].step == result.num_steps - 1
 
 
 def _assert_png(path: Path) -> None:
@@ -87,20 +77,20 @@ def test_pngs_are_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     workload = synthetic("alpaca", 12, seed=0, n=2, num_prefix_groups=1, prefix_len=8, max_model_len=256)
     config = SimConfig(Budget(256), block_size=4, enable_prefix_caching=True)
-    snaps, _ = capture(workload, config)
-    _assert_png(plot_page_map(snaps, tmp_path / "pagemap.png"))
+    page_maps, _ = capture_page_maps(workload, config)
+    _assert_png(plot_page_map(page_maps, tmp_path / "pagemap.png"))
     paged = run_policy("paged", workload, config)
     contiguous = run_policy("contiguous", workload, config)
     _assert_png(plot_occupancy(paged, contiguous, tmp_path / "sub" / "occupancy.png"))
     rows = sweep(workload, config, [1, 4, 16])
     _assert_png(plot_sweep(rows, tmp_path / "sweep.png"))
-    assert np.asarray(snaps[0].owner).dtype == np.int64
+    assert np.asarray(page_maps[0].owner).dtype == np.int64
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    snaps, _ = capture(Workload((Request(0, 3, 2),)), SimConfig(Budget(16), block_size=4))
+    page_maps, _ = capture_page_maps(Workload((Request(0, 3, 2),)), SimConfig(Budget(16), block_size=4))
     with pytest.raises(MissingExtraError, match=r'pip install "pagedkv\[plot\]"'):
-        plot_page_map(snaps, tmp_path / "x.png")
+        plot_page_map(page_maps, tmp_path / "x.png")
     assert issubclass(MissingExtraError, ImportError)
     assert not (tmp_path / "x.png").exists()

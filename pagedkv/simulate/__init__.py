@@ -11,6 +11,7 @@ See ``docs/tutorial.md`` for a guided study and ``pagedkv simulate --help``.
 from pagedkv.simulate.baseline import ContiguousEngine, FirstFit
 from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
 from pagedkv.simulate.engine import PagedEngine
+from pagedkv.simulate.pagemap import PageMap, capture_page_maps, page_map_text
 from pagedkv.simulate.report import (
     POLICIES,
     Report,
@@ -22,15 +23,8 @@ from pagedkv.simulate.report import (
     sweep,
 )
 from pagedkv.simulate.result import PolicyResult, Series
-from pagedkv.simulate.workload import (
-    DATASETS,
-    Request,
-    Workload,
-    WorkloadError,
-    load_jsonl,
-    parse_jsonl,
-    synthetic,
-)
+from pagedkv.simulate.synthetic import DATASETS, synthetic
+from pagedkv.simulate.workload import Request, Workload, WorkloadError, load_jsonl, parse_jsonl
 
 __all__ = [
     "DATASETS",
@@ -40,6 +34,7 @@ __all__ = [
     "ContiguousEngine",
     "FirstFit",
     "ModelShape",
+    "PageMap",
     "PagedEngine",
     "PolicyResult",
     "Report",
@@ -49,9 +44,11 @@ __all__ = [
     "SweepRow",
     "Workload",
     "WorkloadError",
+    "capture_page_maps",
     "format_report",
     "format_sweep",
     "load_jsonl",
+    "page_map_text",
     "parse_bytes",
     "parse_jsonl",
     "run_policy",

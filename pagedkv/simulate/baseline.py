@@ -45,7 +45,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.simulate.config import Budget
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.result import Accumulator, PolicyResult
-from pagedkv.simulate.workload import Request, Workload
+from pagedkv.simulate.workload import Arrivals, Request, Workload
 
 __all__ = ["RESERVE_RULES", "ContiguousEngine", "FirstFit"]
 
@@ -181,21 +181,18 @@ class ContiguousEngine:
         budget = self.budget.num_tokens
         stats = Accumulator(result, budget)
         window = self.max_size if self.max_size is not None else 1 << 62
-        requests = self.workload.requests
-        num_requests = len(requests)
+        arrivals = Arrivals(self.workload)
         waiting: deque[Request] = deque()
         running: dict[int, _Slabs] = {}
         finish_at: dict[int, list[_Slabs]] = {}
         stop_growing_at: dict[int, int] = {}
-        next_arrival = 0
         num_seqs = num_growing = live = reserved = final_live = 0
         step = -1
-        while next_arrival < num_requests or waiting or running:
+        while arrivals.num_pending or waiting or running:
             step += 1
             self.step = step
-            while next_arrival < num_requests and requests[next_arrival].arrival_step <= step:
-                waiting.append(requests[next_arrival])
-                next_arrival += 1
+            if arrivals.num_pending:
+                waiting.extend(arrivals.pop_arrived(step))
             # Decode: every running sequence writes one token.
             live += num_growing
             result.num_decode_tokens += num_seqs

@@ -1,7 +1,10 @@
-"""``pagedkv simulate``: turn parsed options into a workload and a config, run, print.
+"""``pagedkv simulate`` and ``pagedkv viz``: turn parsed options into a workload and a config, run, print.
 
-The parser itself lives in :mod:`pagedkv.cli`; this module is imported only
-when the command runs.
+The parsers themselves live in :mod:`pagedkv.cli`; this module is imported
+only when a command runs. ``viz`` prints text page maps
+(:mod:`pagedkv.simulate.pagemap`) or, with the ``plot`` extra, writes PNGs
+(:mod:`pagedkv.simulate.plots`); ``pagedkv viz --all --out docs/images``
+regenerates the tutorial's figures.
 """
 
 from __future__ import annotations
@@ -10,23 +13,37 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
+from pagedkv.simulate.engine import PagedEngine
+from pagedkv.simulate.pagemap import capture_page_maps, page_map_text
+from pagedkv.simulate.plots import (
+    MissingExtraError,
+    plot_occupancy,
+    plot_page_map,
+    plot_sweep,
+    pyplot,
+    tutorial_figures,
+)
 from pagedkv.simulate.progress import wants_progress
 from pagedkv.simulate.report import (
     POLICIES,
-    _no_progress,
     format_report,
     format_sweep,
+    no_progress,
+    run_policy,
     simulate,
     stderr_progress,
     sweep,
 )
-from pagedkv.simulate.workload import DATASETS, Workload, WorkloadError, load_jsonl, synthetic
+from pagedkv.simulate.synthetic import DATASETS, synthetic
+from pagedkv.simulate.workload import Workload, WorkloadError, load_jsonl
 
-__all__ = ["build_config", "build_workload", "parse_list", "run_simulate"]
+__all__ = ["build_config", "build_workload", "parse_list", "run_simulate", "run_viz"]
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -125,50 +142,118 @@ def stdout_closed() -> int:
     return 0
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    """Run ``pagedkv simulate``; return the exit status (2 on bad input)."""
+def _run(name: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run one command: bad input or a missing extra exits 2 with one line on stderr."""
     try:
-        return _run_simulate(args)
+        try:
+            return command(args)
+        except (WorkloadError, BudgetError, ConfigError, MissingExtraError) as error:
+            print(f"pagedkv {name}: error: {error}", file=sys.stderr)
+            return 2
     except BrokenPipeError:
         return stdout_closed()
 
 
-def _run_simulate(args: argparse.Namespace) -> int:
-    try:
-        workload = build_workload(args)
-        config, model = build_config(args)
-        policies = parse_policies(args.policies)
-        block_sizes = parse_list(args.block_sizes, name="--block-sizes") if args.sweep else []
-        windows = parse_list(args.windows, allow_none=True, name="--windows") if args.sweep else []
-        progress = stderr_progress() if wants_progress(args.progress) else _no_progress
-        if args.sweep:
-            baseline = next((p for p in policies if p != "paged"), None)
-            rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
-            if args.json:
-                data = {
-                    "workload": workload.stats(),
-                    "config": {
-                        "budget_tokens": config.budget.num_tokens,
-                        "budget_bytes": config.budget.num_bytes,
-                    },
-                    "sweep": [row.as_dict() for row in rows],
-                    "timing": [row.result.timing() for row in rows],
-                }
-                print(json.dumps(data, indent=2))
-            else:
-                stats = workload.stats()
-                print(
-                    f"sweep: {stats['source']}, seed {stats['seed']}; the same memory, "
-                    f"{config.budget.num_tokens:,} token slots, at every point\n"
-                )
-                print(format_sweep(rows))
-            return 0
-        report = simulate(workload, config, policies, model=model, progress=progress)
-    except (WorkloadError, BudgetError, ConfigError) as error:
-        print(f"pagedkv simulate: error: {error}", file=sys.stderr)
-        return 2
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run ``pagedkv simulate``; return the exit status (2 on bad input)."""
+    return _run("simulate", _simulate, args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    workload = build_workload(args)
+    config, model = build_config(args)
+    policies = parse_policies(args.policies)
+    block_sizes = parse_list(args.block_sizes, name="--block-sizes") if args.sweep else []
+    windows = parse_list(args.windows, allow_none=True, name="--windows") if args.sweep else []
+    progress = stderr_progress() if wants_progress(args.progress) else no_progress
+    if args.sweep:
+        baseline = next((p for p in policies if p != "paged"), None)
+        rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
+        if args.json:
+            data = {
+                "workload": workload.stats(),
+                "config": {
+                    "budget_tokens": config.budget.num_tokens,
+                    "budget_bytes": config.budget.num_bytes,
+                },
+                "sweep": [row.as_dict() for row in rows],
+                "timing": [row.result.timing() for row in rows],
+            }
+            print(json.dumps(data, indent=2))
+        else:
+            stats = workload.stats()
+            print(
+                f"sweep: {stats['source']}, seed {stats['seed']}; the same memory, "
+                f"{config.budget.num_tokens:,} token slots, at every point\n"
+            )
+            print(format_sweep(rows))
+        return 0
+    report = simulate(workload, config, policies, model=model, progress=progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         print(format_report(report))
+    return 0
+
+
+# -------------------------------------------------------------------- viz
+
+
+def _auto_steps(num_steps: int) -> list[int]:
+    """Four moments: the first step, two in the middle, near the end."""
+    return sorted({0, num_steps // 4, num_steps // 2, max(0, num_steps - 2)})
+
+
+def run_viz(args: argparse.Namespace) -> int:
+    """Run ``pagedkv viz``; return the exit status (2 on bad input or a missing extra)."""
+    return _run("viz", _viz, args)
+
+
+def _viz(args: argparse.Namespace) -> int:
+    if args.all:
+        tutorial_figures(args.out)
+        return 0
+    workload = build_workload(args)
+    config, _ = build_config(args)
+    if args.png:
+        return _png(args, workload, config)
+    steps = parse_list(args.steps, name="--steps", minimum=0) if args.steps else None
+    if steps is None:
+        num_steps = PagedEngine(workload, config).run().num_steps
+        steps = _auto_steps(num_steps)
+    page_maps, result = capture_page_maps(workload, config, steps)
+    stats = workload.stats()
+    print(
+        f"pagedkv viz: {stats['source']}, seed {stats['seed']}; {config.num_blocks} blocks x "
+        f"{config.block_size} slots, prefix caching {'on' if config.enable_prefix_caching else 'off'}; "
+        f"the run took {result.num_steps} steps\n"
+    )
+    for index, page_map in enumerate(page_maps):
+        print(page_map_text(page_map, args.width, legend=index == len(page_maps) - 1))
+        print()
+    missing = sorted(set(steps) - {page_map.step for page_map in page_maps})
+    if missing:
+        print(f"(no step {', '.join(map(str, missing))}: the run ended after step {result.num_steps - 1})")
+    return 0
+
+
+def _png(args: argparse.Namespace, workload: Workload, config: SimConfig) -> int:
+    kinds = ["pagemap", "occupancy", "sweep"] if args.png == "all" else args.png.split(",")
+    unknown = sorted(set(kinds) - {"pagemap", "occupancy", "sweep"})
+    if unknown:
+        raise ConfigError(f"--png: unknown picture {unknown[0]!r}; expected pagemap, occupancy, sweep or all")
+    pyplot()
+    out = Path(args.out)
+    for kind in kinds:
+        if kind == "pagemap":
+            page_maps, _ = capture_page_maps(workload, config)
+            path = plot_page_map(page_maps, out / "pagemap.png")
+        elif kind == "occupancy":
+            paged = run_policy("paged", workload, config)
+            contiguous = run_policy("contiguous", workload, config)
+            path = plot_occupancy(paged, contiguous, out / "occupancy.png")
+        else:
+            rows = sweep(workload, config, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+            path = plot_sweep(rows, out / "block_size_sweep.png")
+        print(f"wrote {os.fspath(path)}")
     return 0

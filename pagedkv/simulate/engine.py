@@ -52,14 +52,14 @@ import numpy as np
 
 from pagedkv import KVCacheManager, KVPool, PoolExhaustedError
 from pagedkv.counts import ceil_div
+from pagedkv.occupancy import count_live_slots
 from pagedkv.simulate.admission import Admitter
 from pagedkv.simulate.config import BudgetError, SimConfig
-from pagedkv.simulate.occupancy import count_live_slots
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.requests import Schedule
 from pagedkv.simulate.result import Accumulator, PolicyResult
 from pagedkv.simulate.sequences import SequenceBook
-from pagedkv.simulate.workload import Workload, WorkloadError
+from pagedkv.simulate.workload import Arrivals, Workload, WorkloadError
 
 __all__ = ["PagedEngine"]
 
@@ -142,18 +142,16 @@ class PagedEngine:
         manager, pool, schedule = self.manager, self.pool, self.schedule
         result = self.result
         stats = Accumulator(result, config.num_blocks * config.block_size)
-        requests = self.workload.requests
-        num_requests = len(requests)
-        next_arrival = 0
+        arrivals = Arrivals(self.workload)
         running, waiting = schedule.running, schedule.waiting
         sample_every = 1 if config.check_every_step else config.sample_every
         step = -1
-        while next_arrival < num_requests or waiting or running:
+        while arrivals.num_pending or waiting or running:
             step += 1
             self.step = step
-            while next_arrival < num_requests and requests[next_arrival].arrival_step <= step:
-                schedule.arrive(requests[next_arrival])
-                next_arrival += 1
+            if arrivals.num_pending:
+                for request in arrivals.pop_arrived(step):
+                    schedule.arrive(request)
             preempted = False
             if running:
                 if config.beam_replace_prob > 0:
@@ -245,11 +243,13 @@ class PagedEngine:
     def live_slots(self) -> tuple[int, int]:
         """``(live slots, block ids held over all tables)`` of the running sequences.
 
-        The same count as ``manager.metrics().num_live_slots`` (checked at
-        every step with ``check_every_step``), but O(sequences); see
-        :func:`~pagedkv.simulate.occupancy.count_live_slots`.
+        The count ``manager.metrics().num_live_slots`` gives, by the same
+        function (:func:`pagedkv.occupancy.count_live_slots`), over the
+        running sequences only (a preempted one holds no block).
         """
-        return count_live_slots(self.manager, self.schedule.running_seq_ids())
+        manager = self.manager
+        tables = [manager.block_table(seq_id) for seq_id in self.schedule.running_seq_ids()]
+        return count_live_slots(tables, self.pool.allocator)
 
     def _sample(self, stats: Accumulator, step: int) -> None:
         num_live, num_held = self.live_slots()

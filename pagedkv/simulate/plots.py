@@ -20,8 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.simulate.pagemap import FREE, SHARED, PageMap, capture_page_maps
 from pagedkv.simulate.result import PolicyResult
-from pagedkv.simulate.snapshot import FREE, SHARED, PoolSnapshot, capture
 
 __all__ = ["MissingExtraError", "plot_occupancy", "plot_page_map", "plot_sweep", "pyplot", "tutorial_figures"]
 
@@ -60,38 +60,38 @@ def _request_colors(plt: Any) -> npt.NDArray[np.float64]:
     return np.concatenate([colors[0::2], colors[1::2]])
 
 
-def plot_page_map(snapshots: Sequence[PoolSnapshot], path: str | Path, *, title: str = "") -> Path:
-    """A PNG of the page map over time: one row per snapshot, one column per block.
+def plot_page_map(page_maps: Sequence[PageMap], path: str | Path, *, title: str = "") -> Path:
+    """A PNG of the page map over time: one row per page map, one column per block.
 
     Raises:
         MissingExtraError: matplotlib is not installed.
-        ConfigError: no snapshots.
+        ConfigError: no page maps.
     """
-    if not snapshots:
-        raise ConfigError("no snapshots to plot")
+    if not page_maps:
+        raise ConfigError("no page maps to plot")
     plt = pyplot()
     from matplotlib.patches import Patch
 
     colors = _request_colors(plt)
-    num_blocks = snapshots[0].num_blocks
-    image = np.ones((len(snapshots), num_blocks, 3))
-    for row, snap in enumerate(snapshots):
-        owned = snap.owner >= 0
-        rgb = colors[snap.owner[owned] % len(colors)]
-        forked = snap.num_refs[owned] > 1
+    num_blocks = page_maps[0].num_blocks
+    image = np.ones((len(page_maps), num_blocks, 3))  # (step row, block, rgb)
+    for row, page_map in enumerate(page_maps):
+        owned = page_map.owner >= 0
+        rgb = colors[page_map.owner[owned] % len(colors)]
+        forked = page_map.num_refs[owned] > 1
         rgb[forked] *= 0.55
         image[row, owned] = rgb
-        image[row, snap.owner == SHARED] = _SHARED_RGB
-        image[row, (snap.owner == FREE) & snap.cached_free] = _CACHED_RGB
+        image[row, page_map.owner == SHARED] = _SHARED_RGB
+        image[row, (page_map.owner == FREE) & page_map.cached_free] = _CACHED_RGB
     figure, axes = plt.subplots(figsize=(10, 6.2), constrained_layout=True)
-    steps = [snap.step for snap in snapshots]
+    steps = [page_map.step for page_map in page_maps]
     axes.imshow(
         image,
         aspect="auto",
         interpolation="nearest",
         extent=(-0.5, num_blocks - 0.5, steps[-1] + 0.5, steps[0] - 0.5),
     )
-    axes.set_xlabel(f"block id (pool of {num_blocks} blocks x {snapshots[0].block_size} token slots)")
+    axes.set_xlabel(f"block id (pool of {num_blocks} blocks x {page_maps[0].block_size} token slots)")
     axes.set_ylabel("simulation step (time runs down)")
     axes.set_title(title or "Page map over time: which request holds each block")
     handles = [
@@ -248,17 +248,17 @@ def tutorial_figures(out_dir: str | Path, *, log: Any = print) -> list[Path]:
     pyplot()
     from pagedkv.simulate.config import Budget, ModelShape, SimConfig, parse_bytes
     from pagedkv.simulate.report import run_policy, sweep
-    from pagedkv.simulate.workload import synthetic
+    from pagedkv.simulate.synthetic import synthetic
 
     out = Path(out_dir)
     written = []
     # 1. The page map over time: Alpaca-like requests arriving, two system prompts, prefix caching.
     workload = synthetic("alpaca", 30, seed=0, num_prefix_groups=2, prefix_len=12, arrival_rate=0.4)
     config = SimConfig(Budget.from_blocks(96, 4), block_size=4, enable_prefix_caching=True)
-    snapshots, _ = capture(workload, config)
+    page_maps, _ = capture_page_maps(workload, config)
     written.append(
         plot_page_map(
-            snapshots,
+            page_maps,
             out / "pagemap.png",
             title="Page map over time: 30 Alpaca-like requests arriving, 2 system "
             "prompts, prefix caching (96 blocks x 4)",
@@ -268,10 +268,10 @@ def tutorial_figures(out_dir: str | Path, *, log: Any = print) -> list[Path]:
     # 1b. Forks: parallel sampling n=4.
     workload = synthetic("alpaca", 16, seed=0, n=4, sampling="beam")
     config = SimConfig(Budget.from_blocks(96, 4), block_size=4)
-    snapshots, _ = capture(workload, config)
+    page_maps, _ = capture_page_maps(workload, config)
     written.append(
         plot_page_map(
-            snapshots,
+            page_maps,
             out / "pagemap_beam.png",
             title="Page map over time: 16 Alpaca-like requests, beam-like search "
             "with 4 beams (96 blocks x 4)",

@@ -30,8 +30,10 @@ __all__ = [
     "SweepRow",
     "format_report",
     "format_sweep",
+    "no_progress",
     "run_policy",
     "simulate",
+    "stderr_progress",
     "sweep",
 ]
 
@@ -41,7 +43,8 @@ POLICIES = ("paged", *RESERVE_RULES)
 ProgressFactory = Callable[[str, int], Progress | None]
 
 
-def _no_progress(label: str, total: int) -> Progress | None:
+def no_progress(label: str, total: int) -> Progress | None:
+    """A factory of no progress bar at all (the default)."""
     return None
 
 
@@ -55,7 +58,7 @@ def run_policy(
     workload: Workload,
     config: SimConfig,
     *,
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
 ) -> PolicyResult:
     """Simulate one policy.
 
@@ -131,7 +134,7 @@ def simulate(
     policies: Sequence[str] = ("paged", "contiguous"),
     *,
     model: ModelShape | None = None,
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
 ) -> Report:
     """Run each policy over ``workload`` under ``config``'s budget.
 
@@ -255,7 +258,7 @@ def sweep(
     windows: Sequence[int | None] = (None,),
     *,
     baseline: str | None = "contiguous",
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
 ) -> list[SweepRow]:
     """Run the paged policy at every (block size, window); the same budget in token slots.
 

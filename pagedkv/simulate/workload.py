@@ -1,19 +1,10 @@
-"""Request streams for the serving simulator: synthetic, shared-prefix, forked, or from JSONL.
+"""Request streams for the serving simulator: requests, workloads, arrivals, and the JSONL file format.
 
 A :class:`Request` is what a user sends: a prompt, how many tokens the model
 will generate for it, and how many samples it wants. A :class:`Workload` is a
-list of requests plus the seed that makes its token ids reproducible.
-
-Synthetic lengths (``"sharegpt"`` and ``"alpaca"``) are lognormal, rounded and
-clipped to ``[1, max_len]``; the lognormal's ``mu`` is solved so that the
-*clipped* mean equals the target mean (the PagedAttention paper's ShareGPT and
-Alpaca averages)::
-
-    dataset    prompt mean  sigma   output mean  sigma   clip
-    sharegpt   161          1.0     338          1.0     [1, 1024] each
-    alpaca     19.31        0.6     58.45        0.7     [1, 1024] each
-
-so prompt + output never exceeds the default ``max_model_len`` of 2048.
+list of requests plus the seed that makes its token ids reproducible;
+:class:`Arrivals` hands its requests out step by step. Synthetic workloads
+(ShareGPT- and Alpaca-like) come from :mod:`pagedkv.simulate.synthetic`.
 
 JSONL schema, one request per line (blank lines and lines starting with ``#``
 are skipped)::
@@ -28,9 +19,9 @@ are skipped)::
      "max_output_len": 512,    # optional: what a contiguous system reserves (>= output_len)
      "arrival_step": 0}        # optional: the step the request arrives, default 0
 
->>> workload = synthetic("alpaca", 3, seed=1)
->>> [(r.prompt_len, r.output_len) for r in workload.requests]
-[(20, 18), (26, 86), (20, 63)]
+>>> workload = parse_jsonl(['{"prompt_len": 20, "output_len": 18}', '{"prompt": [5, 6], "output_len": 3}'])
+>>> [(r.prompt_len, r.output_len) for r in workload.requests], workload.prompt_tokens(workload.requests[1])
+([(20, 18), (2, 3)], [5, 6])
 >>> len(workload.prompt_tokens(workload.requests[0]))
 20
 """
@@ -38,7 +29,6 @@ are skipped)::
 from __future__ import annotations
 
 import json
-import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,23 +40,16 @@ import numpy as np
 from pagedkv.errors import PagedKVError
 
 __all__ = [
-    "DATASETS",
+    "Arrivals",
     "Request",
     "Workload",
     "WorkloadError",
     "load_jsonl",
     "parse_jsonl",
-    "synthetic",
 ]
 
 #: Token ids are drawn from ``range(VOCAB_SIZE)`` (LLaMA's vocabulary size).
 VOCAB_SIZE = 32000
-
-#: ``name: ((prompt mean, sigma), (output mean, sigma))`` of the synthetic length distributions.
-DATASETS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
-    "sharegpt": ((161.0, 1.0), (338.0, 1.0)),
-    "alpaca": ((19.31, 0.6), (58.45, 0.7)),
-}
 
 SAMPLING_KINDS = ("parallel", "beam")
 
@@ -169,114 +152,34 @@ class Workload:
         }
 
 
-def _lognormal_mu(mean: float, sigma: float, cap: float) -> float:
-    """The ``mu`` whose lognormal, clipped at ``cap``, has mean ``mean`` (bisection)."""
-
-    def phi(x: float) -> float:
-        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-    def clipped_mean(mu: float) -> float:
-        log_cap = math.log(cap)
-        body = math.exp(mu + sigma**2 / 2) * phi((log_cap - mu - sigma**2) / sigma)
-        return body + cap * (1 - phi((log_cap - mu) / sigma))
-
-    lo, hi = -10.0, math.log(cap) + 10
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if clipped_mean(mid) < mean else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _lengths(rng: np.random.Generator, mean: float, sigma: float, cap: int, num: int) -> list[int]:
-    if mean >= cap:
-        raise WorkloadError(f"a mean length of {mean} does not fit under the clip of {cap} tokens")
-    mu = _lognormal_mu(mean, sigma, cap)
-    draws = np.rint(rng.lognormal(mu, sigma, num))
-    return np.clip(draws, 1, cap).astype(np.int64).tolist()  # type: ignore[no-any-return]
-
-
-def synthetic(
-    dataset: str,
-    num_requests: int,
-    *,
-    seed: int = 0,
-    n: int = 1,
-    sampling: str = "parallel",
-    num_prefix_groups: int = 0,
-    prefix_len: int = 0,
-    arrival_rate: float | None = None,
-    max_model_len: int = 2048,
-) -> Workload:
-    """A synthetic request stream with ShareGPT- or Alpaca-like lengths.
+class Arrivals:
+    """A workload's requests, handed out as their arrival steps come: the one arrival rule of every policy.
 
     Args:
-        dataset: ``"sharegpt"`` or ``"alpaca"`` (see the module docstring).
-        num_requests: how many requests.
-        seed: seeds lengths, groups, arrivals and token ids.
-        n: samples per request (forks after prefill).
-        sampling: ``"parallel"`` or ``"beam"``.
-        num_prefix_groups: when > 0, each request joins one of this many
-            groups at random, and its prompt starts with the group's
-            ``prefix_len``-token system prompt (added to the drawn length).
-        prefix_len: the shared system prompt's length.
-        arrival_rate: requests per step (a Poisson process); None means
-            every request arrives at step 0 (an offline batch).
-        max_model_len: the modeled model's longest sequence; each drawn
-            length is clipped to half of it.
+        workload: the requests, sorted by ``arrival_step``.
 
-    Raises:
-        WorkloadError: an unknown dataset or a parameter out of range.
+    Attributes:
+        num_pending: requests not handed out yet.
+
+    >>> arrivals = Arrivals(Workload((Request(0, 4, 2), Request(1, 4, 2, arrival_step=3))))
+    >>> [r.request_id for r in arrivals.pop_arrived(2)], arrivals.num_pending
+    ([0], 1)
     """
-    if dataset not in DATASETS:
-        raise WorkloadError(
-            f"unknown workload {dataset!r}; expected one of {sorted(DATASETS)} or a .jsonl file"
-        )
-    _check_int("num_requests", num_requests, 1)
-    _check_int("n", n, 1)
-    _check_int("prefix_len", prefix_len, 0)
-    _check_int("num_prefix_groups", num_prefix_groups, 0)
-    _check_int("max_model_len", max_model_len, 4)
-    if sampling not in SAMPLING_KINDS:
-        raise WorkloadError(f"sampling must be one of {SAMPLING_KINDS}, got {sampling!r}")
-    if arrival_rate is not None and not arrival_rate > 0:
-        raise WorkloadError(f"arrival_rate must be > 0 requests per step, got {arrival_rate!r}")
-    if prefix_len and not num_prefix_groups:
-        num_prefix_groups = 1
-    if prefix_len >= max_model_len // 2:
-        raise WorkloadError(f"prefix_len {prefix_len} leaves no room under max_model_len {max_model_len}")
-    (prompt_mean, prompt_sigma), (output_mean, output_sigma) = DATASETS[dataset]
-    rng = np.random.default_rng([seed, 0])
-    cap = max_model_len // 2
-    prompt_lens = _lengths(rng, prompt_mean, prompt_sigma, cap - prefix_len, num_requests)
-    output_lens = _lengths(rng, output_mean, output_sigma, cap, num_requests)
-    groups = rng.integers(0, max(1, num_prefix_groups), num_requests).tolist()
-    arrivals = [0] * num_requests
-    if arrival_rate is not None:
-        arrivals = np.floor(np.cumsum(rng.exponential(1 / arrival_rate, num_requests))).astype(int).tolist()
-    requests = tuple(
-        Request(
-            request_id=i,
-            prompt_len=prompt_lens[i] + prefix_len,
-            output_len=output_lens[i],
-            n=n,
-            sampling=sampling,
-            prefix_group=f"group-{groups[i]}" if num_prefix_groups else None,
-            prefix_len=prefix_len if num_prefix_groups else 0,
-            arrival_step=arrivals[i],
-        )
-        for i in range(num_requests)
-    )
-    source = f"{dataset} x {num_requests}"
-    if n > 1:
-        source += f", n={n} {sampling}"
-    if num_prefix_groups:
-        source += f", {num_prefix_groups} prefix group(s) of {prefix_len} tokens"
-    return Workload(requests, seed=seed, source=source, max_model_len=max_model_len)
 
+    def __init__(self, workload: Workload) -> None:
+        self._requests = workload.requests
+        self._next = 0
+        self.num_pending = len(self._requests)
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WorkloadError(f"{name} must be an int >= {minimum}, got {value!r}")
+    def pop_arrived(self, step: int) -> tuple[Request, ...]:
+        """The requests arriving at or before ``step`` not handed out yet, in order."""
+        requests = self._requests
+        first = index = self._next
+        while index < len(requests) and requests[index].arrival_step <= step:
+            index += 1
+        self._next = index
+        self.num_pending -= index - first
+        return requests[first:index]
 
 
 _FIELDS = (

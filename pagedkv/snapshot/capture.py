@@ -18,13 +18,12 @@ from pagedkv.cache import KVCache
 from pagedkv.errors import ClosedCacheError, InputTypeError
 from pagedkv.manager import COUNTERS, KVCacheManager
 from pagedkv.pool import KVPool
-from pagedkv.sequence import RecordState, SequenceState
+from pagedkv.sequence import RecordState, SequenceState, pending_layers
 from pagedkv.snapshot.format import Tensors, page_parts, safetensors_numpy, tensor_name, write_state
 from pagedkv.snapshot.schema import (
     State,
     allocator_json,
     fail,
-    pending_layers,
     role_of,
     seq_id_json,
     table_json,
@@ -119,7 +118,8 @@ def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
         if allocator.cached and (role == "host" or not manager.prefix_caching):
             fail(f"the {role} pool holds prefix-cached blocks of another manager")
         saved = _saved_ids(allocator)
-        pools[role] = {"config": _pool_config(pool), "allocator": allocator_json(allocator), "saved_ids": saved}
+        pools[role] = {"config": _pool_config(pool), "allocator": allocator_json(allocator),
+                       "saved_ids": saved}
         tensors.update(_pages(pool, role, saved))
     state = {
         "kind": "KVCacheManager",
@@ -171,8 +171,6 @@ def _pages(pool: KVPool, role: str, block_ids: list[int]) -> Tensors:
         np.take(store, ids, axis=1, out=out, mode="clip")
         return out.view(np.uint8) if out.dtype.kind == "V" else out  # fp8 travels as its bytes
 
-    stores = {"keys": pool.keys, "values": pool.values, "key_scales": pool.key_scales,
-              "value_scales": pool.value_scales}
     parts = page_parts(pool.key_format is not None, pool.value_format is not None)
-    return {tensor_name(role, part, layer): take(stores[part](layer))
+    return {tensor_name(role, part, layer): take(getattr(pool, part)(layer))
             for layer in range(pool.num_layers) for part in parts}

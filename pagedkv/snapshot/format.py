@@ -76,7 +76,11 @@ def tensor_name(role: str, part: str, layer: int) -> str:
 
 
 def page_parts(key_quantized: bool, value_quantized: bool) -> list[str]:
-    """The page tensors of each layer: keys and values, and the scales of the quantized ones."""
+    """The page tensors of each layer: keys and values, and the scales of the quantized ones.
+
+    Each part is named after the ``KVPool`` accessor that holds it
+    (``pool.keys(layer)``, ``pool.key_scales(layer)``, ...).
+    """
     return ["keys", "values"] + ["key_scales"] * key_quantized + ["value_scales"] * value_quantized
 
 
@@ -161,8 +165,9 @@ def _read(path: str) -> tuple[dict[str, str], Tensors]:
     if metadata.get("version") != str(VERSION):
         fail(f"{path!r} is snapshot version {metadata.get('version')!r}; this pagedkv reads version "
              f"{VERSION} only")
-    if set(metadata) != set(_METADATA_FIELDS) or not all(isinstance(metadata[f], str) for f in _METADATA_FIELDS):
-        fail(f"{path!r} has damaged metadata: expected the string fields {_METADATA_FIELDS}")
+    fields = _METADATA_FIELDS
+    if set(metadata) != set(fields) or not all(isinstance(metadata[f], str) for f in fields):
+        fail(f"{path!r} has damaged metadata: expected the string fields {fields}")
     payload = file_size - 8 - header_size
     position = 0
     for start, end, name in sorted(_tensor_span(name, entry, payload) for name, entry in header.items()):

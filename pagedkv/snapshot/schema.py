@@ -39,7 +39,6 @@ from pagedkv.sequence import SequenceState
 
 __all__ = [
     "DTYPES",
-    "KEY_SIZES",
     "STORAGE",
     "Reader",
     "State",
@@ -50,7 +49,6 @@ __all__ = [
     "invariants",
     "is_int",
     "pair",
-    "pending_layers",
     "role_of",
     "seq_id_json",
     "table_json",
@@ -62,8 +60,6 @@ State = dict[str, Any]
 DTYPES = ("float32", "float64")
 #: Storage dtypes a snapshot may name (None: floats in the compute dtype).
 STORAGE: tuple[str | None, ...] = (None, *STORAGE_DTYPES)
-#: The key size, in bytes, of each block hash.
-KEY_SIZES = {"sha256": 32, "xxh3_128": 16}
 
 
 def fail(message: str) -> NoReturn:
@@ -112,11 +108,6 @@ def role_of(state: SequenceState) -> str:
     return "host" if state is SequenceState.SWAPPED else "device"
 
 
-def pending_layers(num_written: list[int], num_tokens: int) -> list[int]:
-    """Layers that have not written all ``num_tokens`` reserved tokens."""
-    return [layer for layer, n in enumerate(num_written) if n != num_tokens]
-
-
 def invariants(check: Callable[[], None], what: str) -> None:
     """Run a ``check_invariants`` and turn its ``AssertionError`` into a ``SnapshotError``."""
     try:
@@ -134,11 +125,14 @@ class Reader:
         self.value: dict[str, Any] = value
         self.where = where
 
-    def get(self, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-        """Field ``name``, of type ``kind`` (None too when ``optional``)."""
+    def _field(self, name: str) -> Any:
         if name not in self.value:
             fail(f"{self.where}.{name} is missing")
-        value = self.value[name]
+        return self.value[name]
+
+    def get(self, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        """Field ``name``, of type ``kind`` (None too when ``optional``)."""
+        value = self._field(name)
         if value is None and optional:
             return None
         kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -162,9 +156,7 @@ class Reader:
 
     def choice(self, name: str, choices: tuple[Any, ...]) -> Any:
         """Field ``name``, one of ``choices``."""
-        if name not in self.value:
-            fail(f"{self.where}.{name} is missing")
-        value = self.value[name]
+        value = self._field(name)
         if isinstance(value, bool) or value not in choices:
             fail(f"{self.where}.{name} = {value!r:.60}; expected one of {choices}")
         return value

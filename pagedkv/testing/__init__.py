@@ -8,9 +8,14 @@ Hypothesis (``pip install "pagedkv[test]"``) and are imported on first use.
 * :mod:`~pagedkv.testing.oracle`: the naive oracle (plain lists, ``math.exp``);
 * :mod:`~pagedkv.testing.contract`: :class:`CheckedCache`, the seed contract as a check;
 * :mod:`~pagedkv.testing.strategies`: shapes, window sizes and tokens;
-* :mod:`~pagedkv.testing.stateful`: :func:`make_cache_machine`, :func:`check_cache`;
+* :mod:`~pagedkv.testing.machine`: :class:`CacheMachine`, :func:`make_cache_machine`;
+* :mod:`~pagedkv.testing.stateful`: :func:`run_cache_machine`, :func:`check_cache`;
+* :mod:`~pagedkv.testing.verdict`: :class:`Verdict`, what a run found;
 * :mod:`~pagedkv.testing.program`: failing runs as runnable programs;
-* :mod:`~pagedkv.testing.buggy`: caches with planted bugs, the kit's own fixtures.
+* :mod:`~pagedkv.testing.factory_code`: the source that imports a factory in a program;
+* :mod:`~pagedkv.testing.shrink`: the program shrinker;
+* :mod:`~pagedkv.testing.buggy`: caches with planted bugs, the kit's own fixtures;
+* :mod:`~pagedkv.testing.check`: the ``pagedkv check`` command.
 
 >>> from pagedkv.testing import check_cache
 >>> from pagedkv.testing.buggy import EvictsAfterScoring
@@ -27,14 +32,10 @@ from pagedkv.testing.contract import CheckedCache, ContractError, error_bounds
 from pagedkv.testing.oracle import OracleCache, attend, tolerance, within_tolerance
 
 if TYPE_CHECKING:
-    from pagedkv.testing.stateful import (
-        CacheMachine,
-        Verdict,
-        check_cache,
-        make_cache_machine,
-        run_cache_machine,
-    )
+    from pagedkv.testing.machine import CacheMachine, make_cache_machine
+    from pagedkv.testing.stateful import check_cache, run_cache_machine
     from pagedkv.testing.strategies import Config, Shape
+    from pagedkv.testing.verdict import Verdict
 
 __all__ = [
     "CacheMachine",
@@ -55,14 +56,15 @@ __all__ = [
 
 # Names from modules that need Hypothesis: imported on first use, so the oracle
 # works without it and a missing Hypothesis says which extra to install.
+# (verdict needs no Hypothesis, but a Verdict only ever comes from a run.)
 _LAZY = {
-    "CacheMachine": "stateful",
-    "Verdict": "stateful",
+    "CacheMachine": "machine",
+    "make_cache_machine": "machine",
     "check_cache": "stateful",
-    "make_cache_machine": "stateful",
     "run_cache_machine": "stateful",
     "Config": "strategies",
     "Shape": "strategies",
+    "Verdict": "verdict",
 }
 
 

@@ -64,11 +64,18 @@ class SeedCache:
 
     def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
         """Append ``k``/``v``, evict past ``max_size``, attend ``q`` over the cache."""
+        self._append(k, v)
+        self._evict_past(self.max_size)
+        return _attention(q, self.keys, self.values)
+
+    def _append(self, k: Vector, v: Vector) -> None:
         self.keys.append(list(k))
         self.values.append(list(v))
-        if self.max_size is not None and len(self.keys) > self.max_size:
+
+    def _evict_past(self, limit: int | None) -> None:
+        """Drop the oldest entry once more than ``limit`` are cached (one comes in per call)."""
+        if limit is not None and len(self.keys) > limit:
             del self.keys[0], self.values[0]
-        return _attention(q, self.keys, self.values)
 
 
 class EvictsAfterScoring(SeedCache):
@@ -79,11 +86,9 @@ class EvictsAfterScoring(SeedCache):
 
     def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
         """Append, score, then evict (the bug: eviction must come before scoring)."""
-        self.keys.append(list(k))
-        self.values.append(list(v))
+        self._append(k, v)
         out = _attention(q, self.keys, self.values)
-        if self.max_size is not None and len(self.keys) > self.max_size:
-            del self.keys[0], self.values[0]
+        self._evict_past(self.max_size)
         return out
 
 
@@ -92,10 +97,8 @@ class WindowOneTooLong(SeedCache):
 
     def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
         """Append, evict only past ``max_size + 1`` (the bug), score."""
-        self.keys.append(list(k))
-        self.values.append(list(v))
-        if self.max_size is not None and len(self.keys) > self.max_size + 1:
-            del self.keys[0], self.values[0]
+        self._append(k, v)
+        self._evict_past(None if self.max_size is None else self.max_size + 1)
         return _attention(q, self.keys, self.values)
 
 
@@ -105,10 +108,8 @@ class DropsCurrentToken(SeedCache):
     def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
         """Score the cache as it was (the bug), then append and evict."""
         out = _attention(q, self.keys, self.values) if self.keys else list(v)
-        self.keys.append(list(k))
-        self.values.append(list(v))
-        if self.max_size is not None and len(self.keys) > self.max_size:
-            del self.keys[0], self.values[0]
+        self._append(k, v)
+        self._evict_past(self.max_size)
         return out
 
 
@@ -117,10 +118,8 @@ class NaiveSoftmax(SeedCache):
 
     def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
         """Append, evict, score without subtracting the largest score (the bug)."""
-        self.keys.append(list(k))
-        self.values.append(list(v))
-        if self.max_size is not None and len(self.keys) > self.max_size:
-            del self.keys[0], self.values[0]
+        self._append(k, v)
+        self._evict_past(self.max_size)
         weights = [math.exp(sum(a * b for a, b in zip(q, key))) for key in self.keys]
         total = sum(weights)
         return [

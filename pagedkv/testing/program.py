@@ -7,6 +7,11 @@ wrapped in :class:`~pagedkv.testing.contract.CheckedCache`, and replays the
 ``attend`` calls with their exact float values; the last line raises the same
 error. No Hypothesis is needed to run it.
 
+Running a step is defined once, here (:func:`open_step`, :func:`attend_step`):
+the state machine, :func:`replay` and the shrinker all go through it. Naming
+the factory in the program's imports is :mod:`~pagedkv.testing.factory_code`'s
+job; making the program small is :mod:`~pagedkv.testing.shrink`'s.
+
 >>> code = FactoryCode.from_spec("pagedkv.testing.buggy:EvictsAfterScoring")
 >>> steps = [OpenStep("cache_0", 1), AttendStep("cache_0", [0.0], [0.0], [1.0], [1.0])]
 >>> print(render_program(steps, factory=code, failure="..."))  # doctest: +ELLIPSIS
@@ -22,140 +27,29 @@ cache_0.attend([0.0], [0.0], [1.0])  # oracle: [1.0]  <- fails here
 
 from __future__ import annotations
 
-import functools
-import importlib
-import math
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagedkv.testing.contract import CheckedCache, ContractError, Precision
+from pagedkv.testing.factory_code import FactoryCode
 
 __all__ = [
     "AttendStep",
     "CloseStep",
-    "FactoryCode",
+    "Feed",
     "OpenStep",
     "Step",
-    "describe_factory",
+    "attend_step",
     "feed_value",
+    "open_step",
     "render_program",
     "replay",
-    "shrink_program",
 ]
 
-
-@dataclass(frozen=True)
-class FactoryCode:
-    """Python source that names a cache factory: the imports, then an expression.
-
-    Args:
-        imports: import lines the expression needs.
-        expression: evaluates to the factory.
-    """
-
-    imports: tuple[str, ...]
-    expression: str
-
-    @classmethod
-    def from_spec(cls, spec: str) -> FactoryCode:
-        """The code for ``"package.module:name"`` (``name`` may be dotted: ``Class.create``).
-
-        Args:
-            spec: ``MODULE:ATTRIBUTE``.
-
-        Returns:
-            A ``from MODULE import NAME`` line and the expression.
-
-        Raises:
-            ValueError: ``spec`` has no ``:`` or an empty side.
-
-        >>> FactoryCode.from_spec("pagedkv:KVCache")
-        FactoryCode(imports=('from pagedkv import KVCache',), expression='KVCache')
-        """
-        module, sep, attribute = spec.partition(":")
-        if not sep or not module or not attribute:
-            raise ValueError(f"expected MODULE:FACTORY, e.g. pagedkv:KVCache, got {spec!r}")
-        first = attribute.split(".")[0]
-        return cls((f"from {module} import {first}",), attribute)
-
-
-def _importable(obj: Any) -> FactoryCode | None:
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    if "<" in qualname or module == "__main__":
-        return None
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError):
-        return None
-    if found is not obj:
-        return None
-    return FactoryCode.from_spec(f"{module}:{qualname}")
-
-
-def _literal(value: Any) -> FactoryCode | None:
-    """Source for a partial's argument: a plain literal, or an importable class or function."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return FactoryCode((), repr(value))
-    if isinstance(value, float):
-        return FactoryCode((), repr(value)) if math.isfinite(value) else None
-    if isinstance(value, (tuple, list)):
-        parts = [_literal(item) for item in value]
-        if any(part is None for part in parts):
-            return None
-        codes = [part for part in parts if part is not None]
-        inner = ", ".join(code.expression for code in codes)
-        brackets = "[]" if isinstance(value, list) else "()"
-        comma = "," if isinstance(value, tuple) and len(codes) == 1 else ""
-        text = f"{brackets[0]}{inner}{comma}{brackets[1]}"
-        return FactoryCode(tuple(line for code in codes for line in code.imports), text)
-    if isinstance(value, type) or callable(value):
-        return _importable(value)
-    return None
-
-
-def describe_factory(factory: Any) -> FactoryCode | None:
-    """Source that rebuilds ``factory`` in a fresh interpreter, or ``None`` if there is none.
-
-    Works for module-level functions and classes (``pagedkv.KVCache``) and for
-    ``functools.partial`` of them with literal or importable arguments; not for
-    lambdas, local functions or objects defined in ``__main__``.
-
-    Args:
-        factory: the cache factory.
-
-    Returns:
-        The code, or ``None``.
-
-    >>> from pagedkv import KVCache
-    >>> describe_factory(functools.partial(KVCache, block_size=2)).expression
-    'functools.partial(KVCache, block_size=2)'
-    >>> describe_factory(lambda max_size=None: None) is None
-    True
-    """
-    if isinstance(factory, functools.partial):
-        inner = _importable(factory.func)
-        if inner is None:
-            return None
-        parts = [_literal(arg) for arg in factory.args]
-        named = {key: _literal(arg) for key, arg in factory.keywords.items()}
-        if any(part is None for part in parts) or any(part is None for part in named.values()):
-            return None
-        codes = [part for part in parts if part is not None]
-        keyword_codes = {key: part for key, part in named.items() if part is not None}
-        arguments = [inner.expression, *(code.expression for code in codes)]
-        arguments += [f"{key}={code.expression}" for key, code in keyword_codes.items()]
-        imports = ["import functools", *inner.imports]
-        for code in [*codes, *keyword_codes.values()]:
-            imports += [line for line in code.imports if line not in imports]
-        return FactoryCode(tuple(imports), f"functools.partial({', '.join(arguments)})")
-    return _importable(factory)
+#: How tokens reach the cache: nested Python lists (the seed), or numpy arrays.
+Feed = Literal["lists", "arrays"]
 
 
 # --------------------------------------------------------------------- steps
@@ -216,7 +110,7 @@ def render_program(
     *,
     factory: FactoryCode | None,
     label: str = "",
-    feed: Literal["lists", "arrays"] = "lists",
+    feed: Feed = "lists",
     precision: Precision = "float64",
     scale: float = 1.0,
     failure: str | None = None,
@@ -283,10 +177,10 @@ def render_program(
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------ replay, shrink
+# -------------------------------------------------------------- running steps
 
 
-def feed_value(x: Any, feed: Literal["lists", "arrays"], precision: Precision) -> Any:
+def feed_value(x: Any, feed: Feed, precision: Precision) -> Any:
     """A token as the machine passes it: the nested list itself, or a numpy array of it.
 
     Args:
@@ -304,11 +198,64 @@ def feed_value(x: Any, feed: Literal["lists", "arrays"], precision: Precision) -
     return np.array(x, dtype=np.float64 if precision == "float64" else np.float32)
 
 
+def open_step(
+    step: OpenStep, factory: Callable[..., Any], *, scale: float = 1.0, precision: Precision = "float64"
+) -> CheckedCache:
+    """Build the cache ``step`` names with ``factory(max_size=step.max_size)``, checked.
+
+    Args:
+        step: the step.
+        factory: the cache factory.
+        scale: the cache's score scale.
+        precision: the cache's precision.
+
+    Returns:
+        The new cache inside a :class:`CheckedCache` named ``step.name``.
+
+    Raises:
+        ContractError: the factory raised (kind ``"factory"``), or the new
+            cache's ``len`` or invariants are wrong.
+    """
+    try:
+        cache = factory(max_size=step.max_size)
+    except Exception as error:
+        raise ContractError(
+            f"factory(max_size={step.max_size}) raised {type(error).__name__}: {error}",
+            kind="factory",
+        ) from error
+    return CheckedCache(
+        cache, max_size=step.max_size, scale=scale, precision=precision, name=step.name
+    )
+
+
+def attend_step(
+    step: AttendStep, checked: CheckedCache, *, feed: Feed = "lists", precision: Precision = "float64"
+) -> Any:
+    """Attend ``step``'s token on ``checked``, and keep the oracle's output in ``step.expected``.
+
+    Args:
+        step: the step; ``step.expected`` is set even when the check fails.
+        checked: the cache the step names.
+        feed: how tokens are passed.
+        precision: the arrays' dtype, for the arrays feed.
+
+    Returns:
+        The cache's output.
+
+    Raises:
+        ContractError: the output, ``len`` or invariants break the contract.
+    """
+    try:
+        return checked.attend(*(feed_value(x, feed, precision) for x in (step.q, step.k, step.v)))
+    finally:
+        step.expected = checked.last_expected
+
+
 def replay(
     steps: Sequence[Step],
     factory: Callable[..., Any],
     *,
-    feed: Literal["lists", "arrays"] = "lists",
+    feed: Feed = "lists",
     precision: Precision = "float64",
     scale: float = 1.0,
     close: bool = True,
@@ -333,23 +280,9 @@ def replay(
     try:
         for step in steps:
             if isinstance(step, OpenStep):
-                try:
-                    cache = factory(max_size=step.max_size)
-                except Exception as error:
-                    raise ContractError(
-                        f"factory(max_size={step.max_size}) raised {type(error).__name__}: {error}",
-                        kind="factory",
-                    ) from error
-                caches[step.name] = CheckedCache(
-                    cache, max_size=step.max_size, scale=scale, precision=precision, name=step.name
-                )
+                caches[step.name] = open_step(step, factory, scale=scale, precision=precision)
             elif isinstance(step, AttendStep):
-                checked = caches[step.name]
-                try:
-                    fed = [feed_value(x, feed, precision) for x in (step.q, step.k, step.v)]
-                    checked.attend(*fed)
-                finally:
-                    step.expected = checked.last_expected
+                attend_step(step, caches[step.name], feed=feed, precision=precision)
             else:
                 caches.pop(step.name).cache.close()
     except ContractError as error:
@@ -365,277 +298,3 @@ def replay(
                     with suppress(Exception):
                         closer()
     return None
-
-
-def shrink_program(
-    steps: Sequence[Step],
-    still_fails: Callable[[list[Step]], bool],
-    *,
-    max_replays: int = 1000,
-) -> list[Step]:
-    """Make a failing program smaller and simpler while it still fails; replays, no Hypothesis.
-
-    NOTE: Hypothesis shrinks the choices that drew a run. A step draws
-    ``1 + 3 * head_dim`` or more of them, and its deletion passes remove at most
-    five at a time, so runs stay long, and each attempt replays the whole run:
-    on long runs it spent seconds and still left steps behind. Here the units are
-    the program's own: steps (deleted in halving chunks, as in delta
-    debugging), windows (smaller ``max_size``), heads and head_dim (dropped from
-    every token at once), and values (0, then integers, then the smallest
-    power of ten or integer that still fails). Passes repeat until none helps.
-
-    Args:
-        steps: a failing program.
-        still_fails: replays a candidate and says whether it fails the same way.
-        max_replays: stop after this many replays.
-
-    Returns:
-        The smallest failing program found (a new list; ``steps`` is unchanged).
-    """
-    search = _Search([_copy(step) for step in steps], still_fails, max_replays)
-    for _ in range(4):
-        before = _size(search.best())
-        _delete_steps(search.best, search.attempt)
-        _smaller_windows(search.best, search.attempt)
-        _narrower_tokens(search.best, search.attempt)
-        _simpler_values(search.best, search.attempt)
-        if _size(search.best()) >= before or search.budget <= 0:
-            break
-    return _renumber([_copy(step) for step in search.best()])
-
-
-class _Search:
-    """The best failing program so far, and the replays left to improve it."""
-
-    def __init__(
-        self, steps: list[Step], still_fails: Callable[[list[Step]], bool], budget: int
-    ) -> None:
-        self._best = steps
-        self._still_fails = still_fails
-        self.budget = budget
-
-    def best(self) -> list[Step]:
-        return self._best
-
-    def attempt(self, candidate: list[Step]) -> bool:
-        """Keep ``candidate`` if it is well formed and still fails."""
-        if self.budget <= 0 or not _well_formed(candidate):
-            return False
-        self.budget -= 1
-        if self._still_fails([_copy(step) for step in candidate]):
-            self._best = candidate
-            return True
-        return False
-
-
-_Attempt = Callable[[list[Step]], bool]
-_Best = Callable[[], list[Step]]
-
-
-def _size(steps: list[Step]) -> tuple[int, int, float]:
-    """How big a program is: steps, then values, then their total magnitude."""
-    values = [x for step in steps if isinstance(step, AttendStep) for x in _tokens_flat(step)]
-    windows = sum(s.max_size or 0 for s in steps if isinstance(s, OpenStep))
-    return (len(steps), len(values) + windows, sum(min(abs(x), 1e300) for x in values))
-
-
-def _tokens_flat(step: AttendStep) -> list[float]:
-    return _flat(step.q) + _flat(step.k) + _flat(step.v)
-
-
-def _delete_steps(best: _Best, attempt: _Attempt) -> None:
-    chunk = max(1, len(best()) // 2)
-    while chunk >= 1:
-        start = 0
-        while start < len(best()):
-            candidate = best()[:start] + best()[start + chunk :]
-            if not candidate or not attempt(candidate):
-                start += chunk
-        chunk //= 2
-
-
-def _smaller_windows(best: _Best, attempt: _Attempt) -> None:
-    for index, step in enumerate(best()):
-        if isinstance(step, OpenStep) and step.max_size is not None:
-            for size in range(1, step.max_size):
-                program = best()
-                if attempt([*program[:index], OpenStep(step.name, size), *program[index + 1 :]]):
-                    break
-
-
-def _map_tokens(steps: list[Step], q: Callable[[Any], Any], kv: Callable[[Any], Any]) -> list[Step]:
-    return [
-        AttendStep(step.name, q(step.q), kv(step.k), kv(step.v))
-        if isinstance(step, AttendStep)
-        else _copy(step)
-        for step in steps
-    ]
-
-
-def _narrower_tokens(best: _Best, attempt: _Attempt) -> None:
-    """Drop a head_dim component, a key/value head, or a query head per group, from every token."""
-    first = next((s for s in best() if isinstance(s, AttendStep)), None)
-    if first is None:
-        return
-    two_d = bool(first.k) and isinstance(first.k[0], list)
-    if two_d:
-        num_kv, num_q = len(first.k), len(first.q)
-        group = num_q // num_kv
-        for head in reversed(range(num_kv)):
-            if num_kv > 1 and attempt(_map_tokens(best(), *_without_kv_head(head, group))):
-                num_kv -= 1
-        for member in reversed(range(group)):
-            if group > 1 and attempt(_map_tokens(best(), *_without_group_member(member, group))):
-                group -= 1
-        if num_kv == 1 and group == 1:
-            attempt(_map_tokens(best(), _first, _first))
-    width = len(first.k[0]) if two_d else len(first.k)
-    for column in reversed(range(width)):
-        if width == 1:
-            break
-
-        def drop(x: Any, c: int = column) -> Any:
-            if x and isinstance(x[0], list):
-                return [row[:c] + row[c + 1 :] for row in x]
-            return x[:c] + x[c + 1 :]
-
-        if attempt(_map_tokens(best(), drop, drop)):
-            width -= 1
-
-
-def _first(x: Any) -> Any:
-    return x[0]
-
-
-def _same(x: Any) -> Any:
-    return x
-
-
-def _without_kv_head(head: int, group: int) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    def q(x: Any) -> Any:
-        return x[: head * group] + x[(head + 1) * group :]
-
-    def kv(x: Any) -> Any:
-        return x[:head] + x[head + 1 :]
-
-    return q, kv
-
-
-def _without_group_member(
-    member: int, group: int
-) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    def q(x: Any) -> Any:
-        return [h for i, h in enumerate(x) if i % group != member]
-
-    return q, _same
-
-
-def _simpler_values(best: _Best, attempt: _Attempt) -> None:
-    index = 0
-    while index < len(best()):
-        step = best()[index]
-        if isinstance(step, AttendStep):
-            for field in ("q", "k", "v"):
-                for position in range(len(_flat(getattr(step, field)))):
-                    _simplify_one(best, attempt, index, field, position)
-        index += 1
-
-
-def _simplify_one(best: _Best, attempt: _Attempt, index: int, field: str, position: int) -> None:
-    def attempt_value(value: float) -> bool:
-        program = best()
-        step = program[index]
-        assert isinstance(step, AttendStep)
-        changed = _copy(step)
-        setattr(changed, field, _set_flat(getattr(step, field), position, value))
-        return attempt([*program[:index], changed, *program[index + 1 :]])
-
-    def current() -> float:
-        step = best()[index]
-        assert isinstance(step, AttendStep)
-        return _flat(getattr(step, field))[position]
-
-    x = current()
-    if x == 0.0:
-        if math.copysign(1.0, x) < 0:  # -0.0 reads worse than 0.0
-            attempt_value(0.0)
-        return
-    if attempt_value(0.0):
-        return
-    sign = math.copysign(1.0, x)
-    if x < 0 and attempt_value(-x):  # positive reads better
-        x, sign = -x, 1.0
-    integral = x == math.trunc(x) or abs(x) >= 1e15
-    towards_zero = abs(x) >= 1.0 and not integral and attempt_value(float(math.trunc(x)))
-    if towards_zero or (not integral and attempt_value(float(math.trunc(x)) + sign)):
-        x = current()
-    if abs(x) < 1.0:
-        for small in (1.0, 0.5):
-            if abs(x) != small and attempt_value(sign * small):
-                return
-        return
-    # The smallest power of ten that still fails (a binary search over exponents;
-    # ``exponent + 1`` stands for x itself), then, if small, the smallest integer.
-    low, high = -1, math.floor(math.log10(abs(x))) + 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        if 10.0**middle != abs(x) and attempt_value(sign * 10.0**middle):
-            high = middle
-        else:
-            low = middle
-    x = current()
-    if abs(x) <= 1e6 and x == math.trunc(x):
-        low, high = 0, int(abs(x))  # 0 passes, |x| fails
-        while high - low > 1:
-            middle = (low + high) // 2
-            if attempt_value(sign * middle):
-                high = middle
-            else:
-                low = middle
-
-
-def _copy(step: Step) -> Step:
-    if isinstance(step, AttendStep):
-        return AttendStep(step.name, step.q, step.k, step.v, step.expected)
-    if isinstance(step, OpenStep):
-        return OpenStep(step.name, step.max_size)
-    return CloseStep(step.name)
-
-
-def _well_formed(steps: Sequence[Step]) -> bool:
-    """Every attend and close names a cache opened (and not closed) before it."""
-    live: set[str] = set()
-    for step in steps:
-        if isinstance(step, OpenStep):
-            live.add(step.name)
-        elif step.name not in live:
-            return False
-        elif isinstance(step, CloseStep):
-            live.discard(step.name)
-    return True
-
-
-def _flat(x: Any) -> list[float]:
-    return [v for row in x for v in row] if x and isinstance(x[0], list) else list(x)
-
-
-def _set_flat(x: Any, position: int, value: float) -> Any:
-    if x and isinstance(x[0], list):
-        width = len(x[0])
-        rows = [list(row) for row in x]
-        rows[position // width][position % width] = value
-        return rows
-    out = list(x)
-    out[position] = value
-    return out
-
-
-def _renumber(steps: list[Step]) -> list[Step]:
-    """Name the caches ``cache_0, cache_1, ...`` in the order they are opened."""
-    names: dict[str, str] = {}
-    for step in steps:
-        if isinstance(step, OpenStep):
-            names[step.name] = f"cache_{len(names)}"
-    for step in steps:
-        step.name = names.get(step.name, step.name)
-    return steps

@@ -28,8 +28,7 @@ try:
     from hypothesis import strategies as st
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        'pagedkv.testing.strategies needs Hypothesis; install the test extra: '
-        'pip install "pagedkv[test]"'
+        f'{__name__} needs Hypothesis; install the test extra: pip install "pagedkv[test]"'
     ) from error
 
 from pagedkv.testing.contract import Precision, precision_eps

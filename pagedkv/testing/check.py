@@ -9,8 +9,9 @@ Exit status: 0 when the cache passed, 1 when a failure was found, 2 on bad
 usage (a spec without ``:``, a module that does not import, a missing or
 uncallable attribute, a factory that takes no ``max_size``, no Hypothesis).
 
-Only the standard library is imported here; Hypothesis and the kit load when
-the command runs, so ``pagedkv demo`` never pays for them.
+Only the standard library is imported here (importing the package adds the
+kit's pure-Python oracle and contract); Hypothesis and the state machine load
+when the command runs, so ``pagedkv demo`` never pays for them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,358 @@
+"""Restore: validate a snapshot's state and pages whole, then build the object, and ``load``.
+
+Validation comes first and allocates no pool: every field, every block
+table (rebuilt with ``BlockTable.restored`` and compared with its saved
+state), every allocator state (proven on throwaway allocators, see
+:mod:`pagedkv.snapshot.pools`), the pages, and the recorded largest key.
+Only then are the pools made and each object takes its state through its own
+``_restore_state`` hook: allocators, then the manager (its prefix cache and
+sequence records) or the cache (its table, filled in place). A final
+``check_invariants()`` is the last line of defence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.allocator import AllocatorState
+from pagedkv.block_table import BlockTable
+from pagedkv.cache import CacheState, KVCache
+from pagedkv.counts import window_blocks
+from pagedkv.errors import ConfigError, InputTypeError, SnapshotError
+from pagedkv.manager import COUNTERS, KVCacheManager, ManagerState
+from pagedkv.pool import KVPool
+from pagedkv.prefix_cache import HASH_KEY_SIZES
+from pagedkv.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.snapshot.format import Tensors, read_state
+from pagedkv.snapshot.pools import PoolPlan, check_allocator, check_pools
+from pagedkv.snapshot.schema import (
+    DTYPES,
+    STORAGE,
+    Reader,
+    fail,
+    hex_bytes,
+    ints,
+    invariants,
+    is_int,
+    role_of,
+    table_json,
+)
+
+__all__ = ["load", "restore"]
+
+
+def load(
+    path: str | os.PathLike[str], *, pool: KVPool | None = None, max_bytes: int | None = None
+) -> KVCache | KVCacheManager:
+    """Build a fresh ``KVCache`` or ``KVCacheManager`` from a snapshot written by ``save``.
+
+    Args:
+        path: the snapshot file.
+        pool: (cache snapshots only) a shared pool to hold the cache's
+            blocks; their ids then differ, the outputs do not. By default a
+            cache gets a private pool, with its saved block ids if it had one.
+        max_bytes: refuse a snapshot whose pools would take more bytes than
+            this (pages and bookkeeping of every block, free or not); the
+            default is the machine's physical memory.
+
+    Returns:
+        The new object: every later output equals the saved object's.
+
+    Raises:
+        SnapshotError: the file is truncated, damaged, of another format or
+            version, inconsistent, or larger than ``max_bytes``; nothing is
+            built and ``pool`` is untouched.
+        ConfigError: ``pool`` does not fit the cache or has too few free
+            blocks (unchanged), or was given for a manager snapshot.
+        ImportError: safetensors (``snapshot`` extra) or, for fp8 pages,
+            ml_dtypes (``fp8`` extra) is missing.
+    """
+    state, tensors = read_state(path)
+    limit = _physical_memory() if max_bytes is None else max_bytes
+    return restore(state, tensors, limit, pool)
+
+
+def restore(state: object, tensors: Tensors, limit: int, pool: KVPool | None) -> KVCache | KVCacheManager:
+    """Validate ``state`` and ``tensors`` whole, then build the object they describe.
+
+    Raises:
+        SnapshotError: anything is inconsistent or larger than ``limit`` bytes.
+        ConfigError, InputTypeError: ``pool`` does not fit (see ``load``).
+    """
+    root = Reader(state, "state")
+    kind = root.choice("kind", ("KVCache", "KVCacheManager"))
+    if kind == "KVCache":
+        return _restore_cache(root, tensors, limit, pool)
+    if pool is not None:
+        raise ConfigError("pool= is for cache snapshots; a manager snapshot builds its own pools")
+    return _restore_manager(root, tensors, limit)
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return 1 << 40
+
+
+# ===================================================================== caches
+
+
+def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | None) -> KVCache:
+    config = root.child("cache")
+    max_size = config.integer("max_size", 1, optional=True)
+    block_size = config.integer("block_size", 1)
+    dtype = np.dtype(config.choice("dtype", DTYPES))
+    key_dtype, value_dtype = config.choice("key_dtype", STORAGE), config.choice("value_dtype", STORAGE)
+    scale = config.number("scale", non_negative=False)
+    private = config.get("private", bool)
+    max_abs_key = config.number("max_abs_key")
+    kv_shape = config.get("kv_shape", list, optional=True)
+    pools = root.child("pools")
+    if set(pools.value) - {"device"}:
+        fail(f"a cache snapshot holds one pool, got {sorted(pools.value)}")
+    plan = PoolPlan(pools.child("device"), tensors, "device", private) if "device" in pools.value else None
+    check_pools([plan] if plan else [], tensors, limit)
+    if plan is not None and plan.same_shape()[:1] + plan.same_shape()[3:] != (
+        block_size, 1, dtype, key_dtype, value_dtype
+    ):
+        fail("the cache's pool disagrees with its block_size, dtype or storage dtypes, or has many layers")
+    table = _table(config.child("table"), block_size, 0, plan.num_blocks if plan else 0)
+    if max_size is not None and (table.num_blocks > window_blocks(max_size, block_size)
+                                 or table.num_live_tokens > max_size):
+        fail(f"{config.where}.table holds more than max_size={max_size} allows")
+    if kv_shape is not None:
+        heads = tuple(ints(kv_shape, f"{config.where}.kv_shape", 1))
+        if plan is None or (heads if len(heads) == 2 else (1, *heads)) != (plan.num_kv_heads, plan.head_dim):
+            fail(f"{config.where}.kv_shape = {kv_shape} does not fit the pool")
+    elif table.num_blocks:
+        fail(f"{config.where} holds blocks but no kv_shape")
+    allocator: AllocatorState | None = None
+    if plan is not None:
+        if sorted(table.block_ids) != plan.saved_ids:
+            fail("the saved pages are not exactly the cache's blocks")
+        plan.check_pages()
+        _check_key_bound(plan, 0, _live_slots(table, plan.index_map()), max_abs_key)
+        if private:
+            held = [0] * plan.num_blocks
+            for block_id in table.block_ids:
+                held[block_id] = 1
+            allocator = plan.allocator_state(held)
+            if allocator.cached or allocator.cached_free:
+                fail("a cache's private pool has no prefix cache, but blocks are marked cached")
+            check_allocator(allocator, None, "cache pool")
+    if pool is not None:
+        _check_target_pool(pool, plan, block_size, dtype, key_dtype, value_dtype, table.num_blocks)
+    # ---- validated: from here on nothing can fail ----
+    cache = KVCache(max_size, block_size=block_size, pool=pool, dtype=dtype, scale=scale,
+                    key_dtype=key_dtype, value_dtype=value_dtype)
+    saved = table._export_state()
+    shape = None if kv_shape is None else tuple(kv_shape)
+    if plan is None:
+        cache._restore_state(CacheState(pool is None, max_abs_key, shape, saved), None)
+        return cache
+    old_ids = table.block_ids
+    if pool is not None:
+        target, new_ids = pool, pool.allocator.allocate(len(old_ids))
+    elif allocator is not None:
+        target, new_ids = plan.build(growable=True), old_ids  # exactly as saved
+        target.allocator._restore_state(allocator)
+    else:  # it was on a shared pool: a private one, ids 0..k-1 in logical order
+        num_blocks = max(2 * window_blocks(max_size, block_size) if max_size else 4, len(old_ids))
+        target = KVPool(num_blocks, block_size=block_size, num_kv_heads=plan.num_kv_heads,
+                        head_dim=plan.head_dim, dtype=dtype, growable=True, key_dtype=key_dtype,
+                        value_dtype=value_dtype)
+        new_ids = target.allocator.allocate(len(old_ids))
+    rename = dict(zip(old_ids, new_ids))
+    plan.write_pages(target, [rename[block_id] for block_id in plan.saved_ids])
+    placed = dataclasses.replace(saved, sink_ids=[rename[block_id] for block_id in saved.sink_ids],
+                                 window_ids=[rename[block_id] for block_id in saved.window_ids])
+    cache._restore_state(CacheState(pool is None, max_abs_key, shape, placed), None if pool else target)
+    # A given pool may be shared with others whose state is theirs: check only what is ours there.
+    check = cache.check_invariants if pool is None else cache.block_table.check_invariants
+    try:
+        invariants(check, "cache")
+    except SnapshotError:
+        cache.close()  # gives the blocks back: a failed load leaves the pool as it was
+        raise
+    return cache
+
+
+def _check_target_pool(pool: KVPool, plan: PoolPlan | None, block_size: int, dtype: np.dtype[Any],
+                       key_dtype: str | None, value_dtype: str | None, num_blocks: int) -> None:
+    if not isinstance(pool, KVPool):
+        raise InputTypeError(f"pool must be a KVPool, got {type(pool).__name__}")
+    wanted: dict[str, object] = {"block_size": block_size, "dtype": dtype, "key_dtype": key_dtype,
+                                 "value_dtype": value_dtype, "num_layers": 1}
+    if plan is not None:
+        wanted.update(num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim)
+    for name, value in wanted.items():
+        if getattr(pool, name) != value:
+            raise ConfigError(f"the cache was saved with {name}={value}, the pool has {getattr(pool, name)}")
+    if not pool.can_allocate(num_blocks):
+        raise ConfigError(f"the cache needs {num_blocks} blocks, {pool.num_free_blocks} are free in the "
+                          "pool; free some first (nothing was changed)")
+
+
+# =================================================================== managers
+
+
+def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManager:
+    config, pools = root.child("manager"), root.child("pools")
+    if "device" not in pools.value or set(pools.value) - {"device", "host"}:
+        fail(f"a manager snapshot holds a device pool and maybe a host pool, got {sorted(pools.value)}")
+    roles = [role for role in ("device", "host") if role in pools.value]
+    plans: dict[str, PoolPlan] = {role: PoolPlan(pools.child(role), tensors, role, True) for role in roles}
+    check_pools(list(plans.values()), tensors, limit)
+    device = plans["device"]
+    if "host" in plans and plans["host"].same_shape() != device.same_shape():
+        fail("the host pool's shape or dtypes differ from the device pool's")
+    num_layers, bs = device.num_layers, device.block_size
+    windows = config.get("layer_max_sizes", list)
+    if len(windows) != num_layers or not all(w is None or (is_int(w) and w >= 1) for w in windows):
+        fail(f"{config.where}.layer_max_sizes = {windows!r:.60} does not fit {num_layers} layers")
+    num_sinks = config.integer("num_sink_tokens")
+    num_q_heads = config.integer("num_q_heads", 1)
+    if num_q_heads % device.num_kv_heads:
+        fail(f"{config.where}.num_q_heads = {num_q_heads} is not a multiple of num_kv_heads")
+    scale = config.number("scale", non_negative=False)
+    prefix_on = config.get("enable_prefix_caching", bool)
+    hash_algorithm = config.choice("hash_algorithm", tuple(HASH_KEY_SIZES))
+    max_abs_key = config.get("max_abs_key", list)
+    if len(max_abs_key) != num_layers or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        for x in max_abs_key
+    ):
+        fail(f"{config.where}.max_abs_key must hold {num_layers} finite numbers >= 0")
+    counters = {name: config.child("counters").integer(name) for name in COUNTERS}
+    held = {role: [0] * plan.num_blocks for role, plan in plans.items()}
+    records: dict[Hashable, RecordState] = {}
+    tables: dict[Hashable, BlockTable] = {}
+    for number, raw in enumerate(config.get("sequences", list)):
+        record, table = _record(Reader(raw, f"{config.where}.sequences[{number}]"), plans, num_sinks,
+                                num_layers, HASH_KEY_SIZES[hash_algorithm] if prefix_on else None)
+        if record.seq_id in records:
+            fail(f"sequence id {record.seq_id!r} appears twice")
+        records[record.seq_id], tables[record.seq_id] = record, table
+        for block_id in table.block_ids:
+            held[role_of(record.state)][block_id] += 1
+    keys: list[tuple[int, bytes]] = []
+    num_evictions = 0
+    if prefix_on:
+        prefix = config.child("prefix")
+        num_evictions = prefix.integer("num_evictions")
+        for entry in prefix.get("keys", list):
+            if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
+                    and 0 <= entry[0] < device.num_blocks):
+                fail(f"{prefix.where}.keys holds {entry!r:.60}; expected [block_id, hex key] pairs")
+            key_size = HASH_KEY_SIZES[hash_algorithm]
+            keys.append((entry[0], hex_bytes(entry[1], f"{prefix.where}.keys", key_size)))
+    elif config.get("prefix", dict, optional=True) is not None:
+        fail(f"{config.where}.prefix is given but prefix caching is off")
+    allocators: dict[str, AllocatorState] = {}
+    for role, plan in plans.items():
+        allocator = allocators[role] = plan.allocator_state(held[role])
+        check_allocator(allocator, keys if role == "device" and prefix_on else None, role)
+        in_use = {b for b, n in enumerate(held[role]) if n} | set(allocator.cached)
+        if set(plan.saved_ids) != in_use:
+            fail(f"the {role} pages saved are not exactly the blocks in use or cached")
+        plan.check_pages()
+        index_map = plan.index_map()
+        cached = index_map[np.array(allocator.cached, np.intp)]
+        slots = [(cached[:, None] * bs + np.arange(bs)).ravel()]
+        slots += [_live_slots(tables[seq_id], index_map) for seq_id, record in records.items()
+                  if role_of(record.state) == role]
+        for layer in range(num_layers):
+            _check_key_bound(plan, layer, np.concatenate(slots), float(max_abs_key[layer]))
+    # ---- validated: from here on nothing can fail ----
+    built = {role: plan.build(growable=False) for role, plan in plans.items()}
+    for role, plan in plans.items():
+        plan.write_pages(built[role], plan.saved_ids)
+        built[role].allocator._restore_state(allocators[role])
+    manager = KVCacheManager(built["device"], layer_max_sizes=windows, num_sink_tokens=num_sinks,
+                             num_q_heads=num_q_heads, scale=scale, host_pool=built.get("host"),
+                             enable_prefix_caching=prefix_on, hash_algorithm=hash_algorithm)
+    manager._restore_state(ManagerState(
+        max_abs_key=[float(x) for x in max_abs_key], counters=counters, records=list(records.values()),
+        prefix_keys=keys, num_prefix_evictions=num_evictions,
+    ))
+    invariants(manager.check_invariants, "manager")
+    return manager
+
+
+def _record(reader: Reader, plans: dict[str, PoolPlan], num_sinks: int, num_layers: int,
+            key_size: int | None) -> tuple[RecordState, BlockTable]:
+    """One sequence's record state, checked, and its block table (for the checks that follow)."""
+    raw_id = reader.get("seq_id", list)
+    if not (len(raw_id) == 2 and ((raw_id[0] == "s" and isinstance(raw_id[1], str))
+                                  or (raw_id[0] == "i" and is_int(raw_id[1])))):
+        fail(f"{reader.where}.seq_id = {raw_id!r:.60}; expected ['s', str] or ['i', int]")
+    state = SequenceState(reader.choice("state", tuple(s.value for s in SequenceState)))
+    role = role_of(state)
+    if role not in plans:
+        fail(f"{reader.where} is swapped but the snapshot has no host pool")
+    table = _table(reader.child("table"), plans[role].block_size, num_sinks, plans[role].num_blocks)
+    num_written = reader.ints("num_written", 0, table.num_tokens)
+    if len(num_written) != num_layers:
+        fail(f"{reader.where}.num_written has {len(num_written)} entries for {num_layers} layers")
+    if state is SequenceState.PREEMPTED and (table.num_tokens or any(num_written)):
+        fail(f"{reader.where} is preempted but holds tokens")
+    if state is not SequenceState.PREEMPTED and pending_layers(num_written, table.num_tokens):
+        fail(f"{reader.where} has reserved tokens not written in every layer")
+    token_ids = reader.get("token_ids", list, optional=True)
+    block_keys = reader.get("block_keys", list)
+    if block_keys and key_size is None:
+        fail(f"{reader.where} has block keys but prefix caching is off")
+    if token_ids is not None:
+        token_ids = ints(token_ids, f"{reader.where}.token_ids", 0, (1 << 63) - 1)
+    record = RecordState(
+        seq_id=raw_id[1], state=state, table=table._export_state(), num_written=list(num_written),
+        token_ids=token_ids, block_keys=[hex_bytes(key, f"{reader.where}.block_keys", key_size)
+                                         for key in block_keys],
+        extras=reader.hex("extras"),
+    )
+    return record, table
+
+
+def _table(reader: Reader, block_size: int, num_sink_tokens: int, num_blocks: int) -> BlockTable:
+    """A block table from its state, ids within ``num_blocks``, its invariants checked."""
+    sink_ids = reader.ints("sink_ids", 0, num_blocks - 1)
+    window_ids = reader.ints("window_ids", 0, num_blocks - 1)
+    num_tokens, window_start = reader.integer("num_tokens"), reader.integer("window_start")
+    reader.integer("first_block")
+    table = BlockTable.restored(block_size, num_sink_tokens, num_tokens, window_start, sink_ids + window_ids)
+    invariants(table.check_invariants, reader.where)
+    if table_json(table._export_state()) != reader.value:
+        fail(f"{reader.where} is inconsistent: its fields do not describe one block table")
+    return table
+
+
+def _live_slots(table: BlockTable, index_map: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+    """Live tokens of ``table`` as ``saved_index * block_size + offset``."""
+    ranges = table.live_ranges()
+    if not table.num_blocks or not ranges:
+        return np.empty(0, np.intp)
+    slots = table.slot_array(ranges)
+    bs = table.block_size
+    index = index_map[slots // bs]
+    if np.any(index < 0):
+        fail(f"block {int(slots[index < 0][0]) // bs} is in a block table but its pages are not saved")
+    result: npt.NDArray[np.intp] = index * bs + slots % bs
+    return result
+
+
+def _check_key_bound(plan: PoolPlan, layer: int, slots: npt.NDArray[np.intp], bound: float) -> None:
+    # NOTE: attend refuses queries whose scores could overflow, using the
+    # largest |key| written so far; pages beyond the recorded maximum would
+    # slip past that check. Dequantized keys may pass it by a few ulps.
+    found = float(plan.slot_key_max(layer)[slots].max()) if len(slots) else 0.0
+    if found > bound * (1 + 1e-6):
+        fail(f"layer {layer} holds keys up to {found:.6g} but the snapshot records a largest |key| "
+             f"of {bound:.6g}")
