@@ -217,17 +217,27 @@ class BlockTable:
         num_whole = end // self.block_size - self._first_block
         return max(0, min(num_whole, len(self._ids)))
 
+    def holds_block(self, logical_block: int) -> bool:
+        """Whether logical block ``logical_block`` is held (a sink block, or in the window part)."""
+        last = ceil_div(self.num_tokens, self.block_size)
+        if logical_block < self.num_sink_blocks:
+            return logical_block < len(self._sink_ids)
+        return self._first_block <= logical_block < last
+
+    def block_id(self, logical_block: int) -> int:
+        """The id of the block holding logical block ``logical_block`` (it must be held)."""
+        if logical_block < self.num_sink_blocks:
+            return self._sink_ids[logical_block]
+        return self._ids[logical_block - self._first_block]
+
     def slot(self, index: int) -> int:
         """The slot (``block_id * block_size + offset``) of held logical index ``index``.
 
         The one scalar form of the rule the class docstring draws;
         ``slot_array`` is its vectorized form.
         """
-        bs = self.block_size
-        logical_block, offset = divmod(index, bs)
-        if logical_block < self.num_sink_blocks:
-            return self._sink_ids[logical_block] * bs + offset
-        return self._ids[logical_block - self._first_block] * bs + offset
+        logical_block, offset = divmod(index, self.block_size)
+        return self.block_id(logical_block) * self.block_size + offset
 
     def slot_array(self, ranges: Ranges) -> npt.NDArray[np.intp]:
         """Slots of the held logical indices in ``ranges``, in order.

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pagedkv.cache import KVCache
+from pagedkv.counts import window_blocks
 from pagedkv.pool import KVPool
 from pagedkv.reference import attend_window
 
@@ -29,12 +30,11 @@ def page_map(pool: KVPool, caches: dict[str, KVCache], just_freed: set[int] | No
     fill = [" "] * pool.num_blocks
     for name, cache in caches.items():
         table = cache.block_table
-        for position, block_id in enumerate(table.block_ids):
+        whole, masks = table.live_blocks()
+        for block_id in table.block_ids:
             owner[block_id] = name
-            first = (table.first_block_index + position) * pool.block_size
-            start = max(first, table.window_start)
-            end = min(first + pool.block_size, table.num_tokens)
-            fill[block_id] = str(max(0, end - start))
+            live = pool.block_size if block_id in whole else masks.get(block_id, 0).bit_count()
+            fill[block_id] = str(live)
     for block_id in just_freed:
         if owner[block_id] == ".":
             owner[block_id] = "*"
@@ -56,7 +56,7 @@ def run_demo(
     """Run the demo; return how many outputs differed from the recompute (0 when all match)."""
     block_size, head_dim = 4, 8
     windows = {"A": 6, "B": 9, "C": 13}
-    num_blocks = sum(-(-w // block_size) + 1 for w in windows.values())
+    num_blocks = sum(window_blocks(w, block_size) for w in windows.values())
     pool = KVPool(num_blocks, block_size=block_size, head_dim=head_dim)
     caches = {name: KVCache(max_size=w, pool=pool, scale=head_dim**-0.5) for name, w in windows.items()}
     history: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {name: [] for name in caches}

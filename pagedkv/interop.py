@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.block_table import BlockTable
 from pagedkv.errors import SequenceStateError
 from pagedkv.manager import KVCacheManager, SequenceState
 
@@ -84,9 +85,8 @@ def flashinfer_csr(manager: KVCacheManager, seq_ids: Sequence[Hashable]) -> Page
         if not 1 <= last_len <= block_size:
             raise AssertionError(f"last_page_len {last_len} outside 1..{block_size}")
         last_lens.append(last_len)
-        first_offsets.append(
-            0 if table.num_sink_tokens else table.window_start - table.first_block_index * block_size
-        )
+        plan = table.read_plan()  # a blocks plan starts at its offset; with sinks the offset is 0
+        first_offsets.append(plan.offset if plan.slots is None else 0)
     return PagedCSR(
         kv_indptr=np.array(indptr, np.int32),
         kv_indices=np.array(indices, np.int32),
@@ -105,7 +105,6 @@ def slot_mapping(
     >>> slot_mapping([3, 7], [0, 5], 4).tolist()
     [12, 29]
     """
-    ids = np.asarray(block_ids, np.int64)
-    pos = np.asarray(positions, np.int64)
-    result: npt.NDArray[np.int64] = ids[pos // block_size] * block_size + pos % block_size
-    return result
+    table = BlockTable.restored(block_size, 0, len(block_ids) * block_size, 0, list(block_ids))
+    slots = table.slot_array([(position, position + 1) for position in positions])
+    return slots.astype(np.int64)

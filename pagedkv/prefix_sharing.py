@@ -106,15 +106,13 @@ class PrefixSharing:
         new_keys = block_keys(parent, tokens, bs, record.extras, self._hasher)
         table = record.table
         for logical_block, key in enumerate(new_keys, start=first):
-            if logical_block < table.num_sink_blocks or logical_block >= table.first_block_index:
-                self.cache.register(table.slot(logical_block * bs) // bs, key)
+            if table.holds_block(logical_block):
+                self.cache.register(table.block_id(logical_block), key)
         record.block_keys.extend(new_keys)
 
     def rekey_restored(self, record: SequenceRecord) -> None:
         """After a swap-in, key the restored full blocks whose keys are free again."""
-        bs = self._block_size
         table = record.table
         for logical_block, key in enumerate(record.block_keys):
-            held = logical_block < table.num_sink_blocks or logical_block >= table.first_block_index
-            if held and self.cache.block_for(key) is None:
-                self.cache.register(table.slot(logical_block * bs) // bs, key)
+            if table.holds_block(logical_block) and self.cache.block_for(key) is None:
+                self.cache.register(table.block_id(logical_block), key)

@@ -264,7 +264,7 @@ def commit_reservation(
         table.append(num_new, allocator.allocate(step.num_new_blocks) if step.num_new_blocks else [])
         first_positions.append(start)
         if num_new == 1:
-            slots.append(table.last_block_id * bs + start % bs)
+            slots.append(table.slot(start))
         else:
             slots.extend(table.slots(start, start + num_new))
         record.reservation_id = stamp = next(_RESERVATION_IDS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.managers import ceil_div
 
 from pagedkv import KVCache, KVPool, reference
 from pagedkv.allocator import BlockAllocator
@@ -36,7 +37,7 @@ def test_window_off_by_one_vllm_3385_hf_29623_each_output_sees_min_n_w_tokens(
 ) -> None:
     # Around the wrap-around (n = W - 1, W, W + 1) and across many block
     # boundaries: three windows' worth plus two blocks.
-    pool = KVPool(-(-max_size // block_size) + 1, block_size=block_size, head_dim=1)
+    pool = KVPool(ceil_div(max_size, block_size) + 1, block_size=block_size, head_dim=1)
     cache = KVCache(max_size, pool=pool)
     for n in range(1, 3 * max_size + 2 * block_size + 1):
         out = cache.attend([1.0], [0.0], [float(n - 1)])[0]
@@ -114,7 +115,7 @@ def test_shared_block_counted_once_sglang_35270() -> None:
 def test_a_window_holds_at_most_ceil_w_over_block_size_plus_one_blocks_over_500_tokens(
     max_size: int, block_size: int
 ) -> None:
-    bound = -(-max_size // block_size) + 1
+    bound = ceil_div(max_size, block_size) + 1
     pool = KVPool(bound, block_size=block_size, head_dim=1)  # no more than the bound allows
     cache = KVCache(max_size, pool=pool)
     most = 0
@@ -129,7 +130,7 @@ def test_a_window_holds_at_most_ceil_w_over_block_size_plus_one_blocks_over_500_
     # A window of W tokens starting at the last slot of a block spans
     # ceil((W - 1) / block_size) + 1 blocks, and no window spans more; that is
     # the stated bound except when W % block_size == 1 (then one less).
-    assert most == -(-(max_size - 1) // block_size) + 1
+    assert most == ceil_div(max_size - 1, block_size) + 1
 
 
 @pytest.mark.parametrize(("max_size", "block_size"), [(1, 1), (7, 2), (33, 4), (64, 16)])
@@ -143,7 +144,7 @@ def test_memory_stays_flat_for_a_windowed_private_cache(max_size: int, block_siz
             sizes.append(cache.pool.num_blocks)
     # The private pool stops growing once it has room for the window.
     assert sizes[-1] == sizes[1]
-    assert sizes[-1] <= 2 * (-(-max_size // block_size) + 1) + 1
+    assert sizes[-1] <= 2 * (ceil_div(max_size, block_size) + 1) + 1
 
 
 def test_private_pool_growth_keeps_block_ids_valid_and_outputs_bit_exact() -> None:

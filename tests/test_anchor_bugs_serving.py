@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.managers import make_manager, settle
 
 from pagedkv import (
     DuplicateSequenceError,
     KVCacheManager,
-    KVPool,
     PoolExhaustedError,
     SequenceState,
     SequenceStateError,
@@ -26,21 +26,6 @@ from pagedkv import (
 )
 from pagedkv.interop import flashinfer_csr
 from pagedkv.testing.oracle import attend, within_tolerance
-
-
-def manager(
-    num_blocks: int = 8, block_size: int = 4, num_layers: int = 1, **kwargs: object
-) -> KVCacheManager:
-    shape = dict(block_size=block_size, head_dim=1, num_layers=num_layers)
-    host = KVPool(num_blocks, **shape) if kwargs.pop("host", False) else None  # type: ignore[arg-type]
-    return KVCacheManager(KVPool(num_blocks, **shape), host_pool=host, **kwargs)  # type: ignore[arg-type]
-
-
-def settle(m: KVCacheManager, request: dict[str, int]) -> None:
-    batch = m.reserve(request)
-    k = np.ones((batch.num_tokens, 1, 1))
-    for layer in range(m.pool.num_layers):
-        m.write(layer, batch, k, k)
 
 
 def free_queue_is_sane(m: KVCacheManager) -> None:
@@ -54,7 +39,7 @@ def free_queue_is_sane(m: KVCacheManager) -> None:
 
 def test_double_free_vllm_42571_second_free_is_refused_and_free_count_holds() -> None:
     # vLLM #42571 / sglang-jax PR #982: freeing twice inflated the free count.
-    m = manager()
+    m = make_manager()
     m.add_sequence("a")
     settle(m, {"a": 6})
     m.free("a")
@@ -68,7 +53,7 @@ def test_double_free_vllm_42571_second_free_is_refused_and_free_count_holds() ->
 def test_double_free_vllm_42571_forks_and_preemption_release_each_block_once() -> None:
     # a and its two forks share blocks [0, 1]; every release path drops one
     # reference per table, never more: the queue never holds an id twice.
-    m = manager(host=True)
+    m = make_manager(host_blocks=8)
     m.add_sequence("a")
     settle(m, {"a": 6})
     m.fork("a", "b")
@@ -98,7 +83,7 @@ def test_shared_blocks_counted_once_sglang_35270_when_both_forks_evict_them() ->
     # reserve({"a": 1, "b": 1}): token 10 sees 8..10, so both drop logical 1;
     # it is one block, released once. a copies the shared partial block, b
     # then owns it alone: 1 new block.
-    m = manager(max_size=3)
+    m = make_manager(max_size=3)
     m.add_sequence("a")
     for _ in range(10):
         settle(m, {"a": 1})
@@ -118,7 +103,7 @@ def test_shared_blocks_counted_once_sglang_35270_fits_exactly_not_more() -> None
     # The same state with no free block left but the one the pair releases:
     # it fits with exactly one block to spare for the copy; double counting
     # would also accept a request that needs two.
-    m = manager(num_blocks=3, max_size=3)
+    m = make_manager(num_blocks=3, max_size=3)
     m.add_sequence("a")
     for _ in range(10):
         settle(m, {"a": 1})
@@ -139,7 +124,7 @@ def test_shared_blocks_counted_once_sglang_35270_fits_exactly_not_more() -> None
 
 def test_identical_requests_in_one_step_nano_vllm_219_get_their_own_blocks() -> None:
     # nano-vllm #219: identical prompts in one step got duplicate blocks.
-    m = manager(num_blocks=16)
+    m = make_manager(num_blocks=16)
     for s in "abc":
         m.add_sequence(s)
     batch = m.reserve({"a": 5, "b": 5, "c": 5})
@@ -160,7 +145,7 @@ def test_preemption_mid_prefill_nano_vllm_211_recompute_is_clean() -> None:
     # nano-vllm PR #211/#233: preempting a request mid-prefill broke indices.
     # a reserves a 7-token chunk, layer 0 writes it, layer 1 has not: recompute
     # preemption drops everything; after resume a fresh prefill is correct.
-    m = manager(num_blocks=4, num_layers=2)
+    m = make_manager(num_blocks=4, num_layers=2)
     m.add_sequence("a")
     batch = m.reserve({"a": 7})
     m.write(0, batch, np.ones((7, 1, 1)), np.ones((7, 1, 1)))
@@ -183,7 +168,7 @@ def test_preemption_mid_prefill_nano_vllm_211_recompute_is_clean() -> None:
 
 
 def test_preemption_mid_prefill_nano_vllm_233_swap_is_refused_until_settled() -> None:
-    m = manager(num_blocks=4, num_layers=2, host=True)
+    m = make_manager(num_blocks=4, num_layers=2, host_blocks=4)
     m.add_sequence("a")
     batch = m.reserve({"a": 7})
     m.write(0, batch, np.ones((7, 1, 1)), np.ones((7, 1, 1)))
@@ -221,7 +206,7 @@ def test_window_off_by_one_vllm_3385_attends_exactly_min_n_w_plus_sinks(
 ) -> None:
     # vLLM #3385, HF #29623, mlx-lm PR #390, nano-vllm PR #65: max_size=W means
     # exactly min(n, W) window tokens, the new one included, plus the sinks.
-    m = manager(num_blocks=16, max_size=window, num_sink_tokens=sinks)
+    m = make_manager(num_blocks=16, max_size=window, num_sink_tokens=sinks)
     got = _mean_position_attended(m, n)
     last = n - 1
     seen = list(range(min(sinks, n))) + list(range(max(sinks, last - window + 1), n))
@@ -232,7 +217,7 @@ def test_window_off_by_one_vllm_3385_attends_exactly_min_n_w_plus_sinks(
 @pytest.mark.parametrize("window", [1, 2, 3, 5])
 def test_window_off_by_one_chunked_prefill_masks_the_same_way(window: int) -> None:
     # one chunk of 9 tokens: token p sees max(0, p - W + 1) .. p
-    m = manager(num_blocks=8, max_size=window)
+    m = make_manager(num_blocks=8, max_size=window)
     m.add_sequence("a")
     batch = m.reserve({"a": 9})
     values = np.arange(9, dtype=float).reshape(9, 1, 1)
@@ -251,7 +236,7 @@ def test_resumed_request_vllm_25538_is_not_preempted_again_when_plan_fits(mode: 
     # vLLM #25538: resumed requests were preempted again at once. Here resume
     # then reserve must succeed whenever plan says it fits, even with no block
     # to spare.
-    m = manager(num_blocks=4, host=True)
+    m = make_manager(num_blocks=4, host_blocks=4)
     for s in "ab":
         m.add_sequence(s)
     settle(m, {"a": 7, "b": 4})  # a [..][...] b [....]: 3 blocks, 1 free
@@ -271,7 +256,7 @@ def test_resumed_request_vllm_25538_is_not_preempted_again_when_plan_fits(mode: 
 def test_resume_after_swap_vllm_25538_fails_cleanly_when_it_cannot_fit() -> None:
     # the restore either fits whole or changes nothing (llama.cpp #27068: a
     # failed restore left corrupted K/V in the live cache)
-    m = manager(num_blocks=3, host=True)
+    m = make_manager(num_blocks=3, host_blocks=3)
     for s in "ab":
         m.add_sequence(s)
     settle(m, {"a": 6})
@@ -290,7 +275,7 @@ def test_resume_after_swap_vllm_25538_fails_cleanly_when_it_cannot_fit() -> None
 
 def test_restore_of_an_empty_sequence_llama_cpp_14434() -> None:
     # llama.cpp #14434: restoring an empty slot crashed
-    m = manager(host=True)
+    m = make_manager(host_blocks=8)
     m.add_sequence("a")
     m.preempt("a", "swap")
     assert m.resume("a") == 0
@@ -309,7 +294,7 @@ def test_restore_of_an_empty_sequence_llama_cpp_14434() -> None:
 def test_last_page_len_never_exceeds_page_size_flashinfer_320(
     block_size: int, window: int | None, sizes: list[int]
 ) -> None:
-    m = manager(num_blocks=128, block_size=block_size, max_size=window)
+    m = make_manager(num_blocks=128, block_size=block_size, max_size=window)
     m.add_sequence("a")
     m.add_sequence("b")
     for i, size in enumerate(sizes):
@@ -332,7 +317,7 @@ def test_usage_metric_confusion_vllm_57336_reports_blocks_and_tokens_apart() -> 
     #   d  [d0 d1 . .]                       1 block,  2 slots
     # block usage 4/6 = 66.7%; live slots 8 of 24 = 33.3%; of the used
     # blocks' 16 slots 8 are empty: fragmentation 50%; live tokens 13.
-    m = manager(num_blocks=6)
+    m = make_manager(num_blocks=6)
     for s in "abd":
         m.add_sequence(s)
     settle(m, {"a": 5, "b": 1, "d": 2})

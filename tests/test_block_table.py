@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.managers import ceil_div
 
 from pagedkv.block_table import BlockTable
 
@@ -224,7 +225,7 @@ def test_table_holds_exactly_the_logical_blocks_of_its_window(
     for num_appended, num_evicted in steps:
         new_ids = list(range(next_id, next_id + table.num_new_blocks(num_appended)))
         next_id += len(new_ids)
-        first_new_block = -(-table.num_tokens // block_size)
+        first_new_block = ceil_div(table.num_tokens, block_size)
         for j, block_id in enumerate(new_ids):
             where[first_new_block + j] = block_id
         table.append(num_appended, new_ids)
@@ -242,7 +243,7 @@ def test_table_holds_exactly_the_logical_blocks_of_its_window(
         # Held: the logical block of window_start up to the one holding the newest
         # token. A block whose tokens are all evicted but which still has free
         # slots for the next tokens stays (it is the newest block).
-        held = range(window_start // block_size, -(-num_tokens // block_size))
+        held = range(window_start // block_size, ceil_div(num_tokens, block_size))
         assert table.block_ids == [where[j] for j in held]
         assert set(where) == set(held)
         for index in range(window_start, num_tokens):

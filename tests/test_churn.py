@@ -12,8 +12,9 @@ import random
 
 import numpy as np
 import pytest
+from support.managers import make_manager
 
-from pagedkv import KVCacheManager, KVPool, SequenceState
+from pagedkv import KVCacheManager, SequenceState
 
 NUM_SEQUENCES = 10_000
 
@@ -39,10 +40,7 @@ def assert_pristine(m: KVCacheManager) -> None:
 def test_churn_of_10000_sequences_leaves_the_pool_as_it_started(
     block_size: int, window: int | None, sinks: int
 ) -> None:
-    shape = dict(block_size=block_size, head_dim=1, num_layers=1)
-    m = KVCacheManager(
-        KVPool(256, **shape), host_pool=KVPool(64, **shape), max_size=window, num_sink_tokens=sinks
-    )
+    m = make_manager(256, host_blocks=64, block_size=block_size, max_size=window, num_sink_tokens=sinks)
     rng = random.Random(block_size)
     zeros = np.zeros((256, 1, 1))
     live: list[int] = []

@@ -10,20 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.managers import ceil_div, make_manager, settle
 
-from pagedkv import KVCacheManager, KVPool, SequenceStateError, UnknownSequenceError
+from pagedkv import SequenceStateError, UnknownSequenceError
 from pagedkv.interop import PagedCSR, flashinfer_csr, slot_mapping
-
-
-def manager(num_blocks: int = 16, block_size: int = 4, **kwargs: object) -> KVCacheManager:
-    return KVCacheManager(KVPool(num_blocks, block_size=block_size, head_dim=1), **kwargs)  # type: ignore[arg-type]
-
-
-def settle(m: KVCacheManager, request: dict[str, int]) -> None:
-    batch = m.reserve(request)
-    k = np.arange(batch.num_tokens, dtype=float).reshape(-1, 1, 1)
-    m.write(0, batch, k, k)
-
 
 # -------------------------------------------------------------- FlashInfer CSR
 
@@ -33,7 +23,7 @@ def test_csr_by_hand() -> None:
     #   a: 6 tokens   [0: a0..a3] [1: a4 a5 . .]        last page 2
     #   b: 3 tokens   [2: b0 b1 b2 .]                   last page 3
     #   c: 8 tokens   [3: c0..c3] [4: c4..c7]           last page 4 (full, never 0)
-    m = manager()
+    m = make_manager(16)
     for s in "abc":
         m.add_sequence(s)
     settle(m, {"a": 6, "b": 3, "c": 8})
@@ -54,7 +44,7 @@ def test_csr_by_hand() -> None:
 
 def test_csr_after_copy_on_write_shows_each_sequences_own_pages() -> None:
     # a [0: a0..a3] [1: a4 a5]   fork -> b; b appends: b copies block 1 to 2
-    m = manager()
+    m = make_manager(16)
     m.add_sequence("a")
     settle(m, {"a": 6})
     m.fork("a", "b")
@@ -69,7 +59,7 @@ def test_csr_windowed_first_page_offset() -> None:
     #   logical   0          1              2
     #   held      (freed)    [x  x  x  t7]  [t8 t9 .  .]
     #   first_page_offset = 7 - 4 = 3, last_page_len = 2
-    m = manager(max_size=3)
+    m = make_manager(16, max_size=3)
     m.add_sequence("a")
     for _ in range(10):
         settle(m, {"a": 1})
@@ -85,7 +75,7 @@ def test_csr_windowed_first_page_offset() -> None:
 
 
 def test_csr_refuses_sequences_it_cannot_export() -> None:
-    m = KVCacheManager(KVPool(8, block_size=4, head_dim=1), host_pool=KVPool(8, block_size=4, head_dim=1))
+    m = make_manager(8, host_blocks=8)
     for s in "abcd":
         m.add_sequence(s)
     settle(m, {"a": 2, "b": 2, "c": 1})
@@ -116,7 +106,7 @@ def test_csr_last_page_len_is_always_between_1_and_block_size(
     block_size: int, window: int | None, steps: list[tuple[str, int, int]]
 ) -> None:
     # FlashInfer #320: a last_page_len above page_size was accepted silently.
-    m = manager(num_blocks=64, block_size=block_size, max_size=window)
+    m = make_manager(num_blocks=64, block_size=block_size, max_size=window)
     live: list[str] = []
     for number, (op, pick, size) in enumerate(steps):
         if op == "reserve" or not live:
@@ -158,7 +148,7 @@ def test_csr_last_page_len_is_always_between_1_and_block_size(
 def test_slot_mapping_by_hand() -> None:
     # block_size 4: a gets [0, 1], b gets [2]; then a appends 3 more:
     #   a: a6 a7 -> block 1 offsets 2, 3 (slots 6, 7); a8 -> new block 3 offset 0 (slot 12)
-    m = manager()
+    m = make_manager(16)
     m.add_sequence("a")
     m.add_sequence("b")
     batch = m.reserve({"a": 6, "b": 3})
@@ -185,8 +175,16 @@ def test_slot_mapping_by_hand() -> None:
 def test_batch_slot_mapping_matches_the_tables_and_writes_land_there(
     block_size: int, window: int | None, sinks: int, sizes: list[tuple[int, int]], heads: int
 ) -> None:
-    pool = KVPool(96, block_size=block_size, head_dim=2, num_kv_heads=heads, num_layers=2)
-    m = KVCacheManager(pool, max_size=window, num_sink_tokens=sinks)
+    m = make_manager(
+        96,
+        block_size=block_size,
+        head_dim=2,
+        num_kv_heads=heads,
+        num_layers=2,
+        max_size=window,
+        num_sink_tokens=sinks,
+    )
+    pool = m.pool
     names = ["a", "b", "c"]
     for s in names:
         m.add_sequence(s)
@@ -198,7 +196,7 @@ def test_batch_slot_mapping_matches_the_tables_and_writes_land_there(
         expected = []
         for s, first, n in zip(batch.seq_ids, batch.first_positions, batch.num_new_tokens):
             table = m.block_table(s)
-            num_sink_blocks = -(-sinks // block_size)
+            num_sink_blocks = ceil_div(sinks, block_size)
             for position in range(first, first + n):
                 logical = position // block_size
                 index = (
@@ -221,7 +219,7 @@ def test_batch_slot_mapping_matches_the_tables_and_writes_land_there(
 
 
 def test_interop_slot_mapping_function_matches_a_table_without_eviction() -> None:
-    m = manager(block_size=3)
+    m = make_manager(16, block_size=3)
     m.add_sequence("a")
     m.reserve({"a": 5})
     m.add_sequence("b")

@@ -14,6 +14,7 @@ import random
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -129,6 +130,15 @@ def _cancelling_stream(rng: random.Random, head_dim: int) -> tuple[list[Any], li
     return [q] * len(keys), keys, values
 
 
+def _cancelling_outputs(rng: random.Random, dtype: Any) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """``(q, keys, values, output)`` at every step of a new ``KVCache`` on each of 40 streams."""
+    for _ in range(40):
+        queries, keys, values = _cancelling_stream(rng, 3)
+        cache = KVCache(dtype=dtype)
+        for t, (q, k, v) in enumerate(zip(queries, keys, values)):
+            yield q, keys[: t + 1], values[: t + 1], cache.attend(q, k, v)
+
+
 @pytest.mark.parametrize(("dtype", "eps"), [(np.float64, FLOAT64_EPS), (np.float32, FLOAT32_EPS)])
 def test_error_bounds_and_the_oracle_tolerance_hold_for_kvcache_under_cancellation(
     dtype: Any, eps: float
@@ -138,32 +148,23 @@ def test_error_bounds_and_the_oracle_tolerance_hold_for_kvcache_under_cancellati
     # max |score|; the oracle's tolerance uses sum |q_i k_i| and must hold.
     rng = random.Random(1)
     worst_bound, worst_tolerance = 0.0, 0.0
-    for _ in range(40):
-        queries, keys, values = _cancelling_stream(rng, 3)
-        cache = KVCache(dtype=dtype)
-        for t, (q, k, v) in enumerate(zip(queries, keys, values)):
-            got = cache.attend(q, k, v)
-            expected, max_abs_score = attend(q, keys[: t + 1], values[: t + 1])
-            bounds = error_bounds(q, keys[: t + 1], values[: t + 1], eps=eps)
-            for a, b, bound in zip(got, expected, bounds):
-                worst_bound = max(worst_bound, abs(a - b) / bound)
-                limit = tolerance(max_abs_score, eps) * max(1.0, abs(b))
-                worst_tolerance = max(worst_tolerance, abs(a - b) / limit)
+    for q, keys, values, got in _cancelling_outputs(rng, dtype):
+        expected, max_abs_score = attend(q, keys, values)
+        bounds = error_bounds(q, keys, values, eps=eps)
+        for a, b, bound in zip(got, expected, bounds):
+            worst_bound = max(worst_bound, abs(a - b) / bound)
+            limit = tolerance(max_abs_score, eps) * max(1.0, abs(b))
+            worst_tolerance = max(worst_tolerance, abs(a - b) / limit)
     assert worst_bound <= 1.0
     assert worst_tolerance <= 1.0
     # With max |score| in place of the magnitude, float32's input rounding alone
     # breaks it: the bound the issue first stated (kept here as the regression).
     if dtype is np.float32:
         naive = 0.0
-        for _ in range(40):
-            queries, keys, values = _cancelling_stream(rng, 3)
-            cache = KVCache(dtype=dtype)
-            for t, (q, k, v) in enumerate(zip(queries, keys, values)):
-                got = cache.attend(q, k, v)
-                expected, _ = attend(q, keys[: t + 1], values[: t + 1])
-                scores = [abs(sum(a * b for a, b in zip(q, key))) for key in keys[: t + 1]]
-                limit = tolerance(max(scores), eps)
-                naive = max(naive, *(abs(a - b) / (limit * max(1.0, abs(b))) for a, b in zip(got, expected)))
+        for q, keys, values, got in _cancelling_outputs(rng, dtype):
+            expected, _ = attend(q, keys, values)
+            limit = tolerance(max(abs(sum(a * b for a, b in zip(q, key))) for key in keys), eps)
+            naive = max(naive, *(abs(a - b) / (limit * max(1.0, abs(b))) for a, b in zip(got, expected)))
         assert naive > 1.0
 
 

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.managers import make_manager, settle
 
-from pagedkv import KVCacheManager, KVPool, SequenceStateError, UnknownSequenceError
+from pagedkv import KVCacheManager, SequenceStateError, UnknownSequenceError
 from pagedkv.reference import attend_window
 
 
 def _manager(max_size: int | None = None, num_sink_tokens: int = 0) -> KVCacheManager:
-    pool = KVPool(16, block_size=2, head_dim=1, num_layers=2)
-    return KVCacheManager(pool, max_size=max_size, num_sink_tokens=num_sink_tokens)
-
-
-def _write_all(m: KVCacheManager, batch: object, value: float) -> None:
-    n = batch.num_tokens  # type: ignore[attr-defined]
-    for layer in range(2):
-        m.write(layer, batch, np.full((n, 1, 1), value), np.full((n, 1, 1), value))  # type: ignore[arg-type]
+    return make_manager(16, block_size=2, num_layers=2, max_size=max_size, num_sink_tokens=num_sink_tokens)
 
 
 @pytest.mark.parametrize(("max_size", "sinks"), [(None, 0), (3, 0), (3, 1), (1, 0)])
@@ -30,7 +24,7 @@ def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(
     m = _manager(max_size, sinks)
     m.add_sequence("a")
     m.add_sequence("b")
-    _write_all(m, m.reserve({"a": 3, "b": 2}), 1.0)
+    settle(m, {"a": 3, "b": 2})
     free_after_step_1 = m.pool.num_free_blocks + 1  # b's block comes back too
     batch = m.reserve({"a": 3, "b": 1})
     m.write(0, batch, np.ones((4, 1, 1)), np.ones((4, 1, 1)))
@@ -42,8 +36,7 @@ def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(
     assert m.num_tokens("a") == 3
     assert m.pool.num_free_blocks >= free_after_step_1 - 1
     # a continues as if step 2 never happened: the next token attends to a's window.
-    step = m.reserve({"a": 1})
-    _write_all(m, step, 2.0)
+    step = settle(m, {"a": 1}, 2.0)
     out = m.attend(1, step, np.ones((1, 1, 1)))
     history = [1.0, 1.0, 1.0, 2.0]
     visible = history if max_size is None else history[:sinks] + history[max(sinks, 4 - max_size) :]
@@ -56,7 +49,7 @@ def test_a_half_written_step_is_taken_back_after_a_batch_mate_is_freed(
 def test_cancel_without_unwritten_tokens_changes_nothing() -> None:
     m = _manager()
     m.add_sequence("a")
-    _write_all(m, m.reserve({"a": 3}), 1.0)
+    settle(m, {"a": 3})
     before = (m.block_table("a").block_ids, m.num_tokens("a"), m.pool.num_free_blocks)
     m.cancel_reservation("a")
     assert (m.block_table("a").block_ids, m.num_tokens("a"), m.pool.num_free_blocks) == before
@@ -65,7 +58,7 @@ def test_cancel_without_unwritten_tokens_changes_nothing() -> None:
 def test_cancel_refuses_unknown_and_preempted_sequences_and_changes_nothing() -> None:
     m = _manager()
     m.add_sequence("a")
-    _write_all(m, m.reserve({"a": 3}), 1.0)
+    settle(m, {"a": 3})
     m.preempt("a")
     free = m.pool.num_free_blocks
     with pytest.raises(UnknownSequenceError, match="'zz'"):

@@ -9,27 +9,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
+from support.managers import make_manager, settle
 
-from pagedkv import KVCacheManager, KVPool, ManagerMetrics
-
-
-def manager(
-    num_blocks: int = 8, block_size: int = 4, host_blocks: int = 0, **kwargs: object
-) -> KVCacheManager:
-    host = KVPool(host_blocks, block_size=block_size, head_dim=1) if host_blocks else None
-    return KVCacheManager(
-        KVPool(num_blocks, block_size=block_size, head_dim=1),
-        host_pool=host,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
-def settle(m: KVCacheManager, request: dict[str, int]) -> None:
-    batch = m.reserve(request)
-    k = np.ones((batch.num_tokens, 1, 1))
-    m.write(0, batch, k, k)
+from pagedkv import KVCacheManager, ManagerMetrics
 
 
 def memory(m: KVCacheManager) -> tuple[int, int, int, int, float, float, float]:
@@ -51,7 +34,7 @@ def events(m: KVCacheManager) -> tuple[int, int, int, int, int]:
 
 
 def test_empty_manager_reports_zeros() -> None:
-    m = manager()
+    m = make_manager()
     x = m.metrics()
     assert isinstance(x, ManagerMetrics)
     assert (x.num_blocks, x.block_size) == (8, 4)
@@ -65,7 +48,7 @@ def test_usage_occupancy_and_fragmentation_of_one_sequence() -> None:
     #   used 2 of 8 blocks      -> block usage     2/8  = 0.25
     #   6 live slots of 32      -> token occupancy 6/32 = 0.1875
     #   2 empty of 8 used slots -> fragmentation   2/8  = 0.25
-    m = manager()
+    m = make_manager()
     m.add_sequence("a")
     settle(m, {"a": 6})
     assert memory(m) == (2, 6, 6, 6, 0.25, 0.1875, 0.25)
@@ -74,7 +57,7 @@ def test_usage_occupancy_and_fragmentation_of_one_sequence() -> None:
 
 def test_forks_count_shared_slots_once_and_tokens_per_sequence() -> None:
     # fork a -> b: same two blocks; 6 slots, 12 tokens (6 per sequence)
-    m = manager()
+    m = make_manager()
     m.add_sequence("a")
     settle(m, {"a": 6})
     m.fork("a", "b")
@@ -97,7 +80,7 @@ def test_forks_count_shared_slots_once_and_tokens_per_sequence() -> None:
 def test_window_eviction_leaves_fragmentation_in_the_first_block() -> None:
     # block_size 4, max_size 3, 10 tokens: token 9 sees 7..9
     #   block 1 [x  x  x  t7]  block 2 [t8 t9 .  .]   -> 3 live of 8 slots
-    m = manager(max_size=3)
+    m = make_manager(max_size=3)
     m.add_sequence("a")
     for _ in range(10):
         settle(m, {"a": 1})
@@ -108,7 +91,7 @@ def test_sinks_and_window_in_one_block_count_only_live_slots() -> None:
     # block_size 4, 1 sink, max_size 2, 4 tokens: token 3 sees sink 0 and 2..3
     #   block 0 [s0 x t2 t3]   -> 3 live slots (slot 1 is evicted), 3 live tokens
     # (the union of the ranges (0, 1) and (2, 4) once counted 4 slots)
-    m = manager(max_size=2, num_sink_tokens=1)
+    m = make_manager(max_size=2, num_sink_tokens=1)
     m.add_sequence("a")
     for _ in range(4):
         settle(m, {"a": 1})
@@ -117,7 +100,7 @@ def test_sinks_and_window_in_one_block_count_only_live_slots() -> None:
 
 
 def test_preemption_and_swap_counters() -> None:
-    m = manager(host_blocks=4)
+    m = make_manager(host_blocks=4)
     m.add_sequence("a")
     m.add_sequence("b")
     settle(m, {"a": 6, "b": 3})
@@ -148,7 +131,7 @@ def test_block_usage_and_token_occupancy_differ() -> None:
     # vLLM #57336: 3 blocks of 4; a holds 5 tokens in 2 blocks:
     #   [a0 a1 a2 a3] [a4 . . .] [free]
     #   block usage 2/3 = 66.7%, token occupancy 5/12 = 41.7%, fragmentation 3/8
-    m = manager(num_blocks=3)
+    m = make_manager(num_blocks=3)
     m.add_sequence("a")
     settle(m, {"a": 5})
     x = m.metrics()
@@ -159,7 +142,7 @@ def test_block_usage_and_token_occupancy_differ() -> None:
 
 
 def test_metrics_is_a_query() -> None:
-    m = manager()
+    m = make_manager()
     m.add_sequence("a")
     settle(m, {"a": 5})
     free = m.pool.allocator.free_block_ids()

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from support.managers import make_manager
 from support.prefix import SHA256, Runner, key_chain, kv_of, make, prefix_of
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
@@ -309,7 +310,7 @@ def test_a_count_reservation_of_a_keyed_sequence_is_refused_and_changes_nothing(
     manager = make()
     manager.add_sequence("a", [1, 2, 3, 4])
     before = (manager.pool.allocator.free_block_ids(), manager.block_table("a").block_ids)
-    with pytest.raises(ConfigError, match="caches its blocks by prefix.*cache_blocks=False"):
+    with pytest.raises(ConfigError, match=r"caches its blocks by prefix.*cache_blocks=False"):
         manager.reserve({"a": 4})  # a count: keying would silently stop for this sequence
     assert (manager.pool.allocator.free_block_ids(), manager.block_table("a").block_ids) == before
     manager.check_invariants()
@@ -549,8 +550,10 @@ def test_a_cached_admission_equals_from_scratch_bit_for_bit_at_every_step(
     cached prefix, then the rest), so the only difference is which blocks hold the prefix."""
     prompt = warm[:cut] + prompt_tail
     num_q_heads = num_kv_heads * group
-    shape = {"block_size": block_size, "head_dim": 2, "num_layers": num_layers, "num_kv_heads": num_kv_heads}
-    options = {"max_size": window, "num_sink_tokens": num_sink_tokens, "num_q_heads": num_q_heads}
+    options = {
+        "block_size": block_size, "head_dim": 2, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+        "dtype": dtype, "max_size": window, "num_sink_tokens": num_sink_tokens, "num_q_heads": num_q_heads,
+    }
 
     def kv(history: list[int], positions: range, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.array([kv_of(tuple(history[: p + 1]), layer, num_kv_heads) for p in positions])
@@ -568,9 +571,7 @@ def test_a_cached_admission_equals_from_scratch_bit_for_bit_at_every_step(
             outs.append(manager.attend(layer, batch, q))
         return outs
 
-    cached = KVCacheManager(
-        KVPool(64, dtype=dtype, **shape), enable_prefix_caching=True, **options  # type: ignore[arg-type]
-    )
+    cached = make_manager(64, enable_prefix_caching=True, **options)
     cached.add_sequence("warm", warm)
     step(cached, "warm", [], list(warm))
     if free_warm:
@@ -578,7 +579,7 @@ def test_a_cached_admission_equals_from_scratch_bit_for_bit_at_every_step(
     num_hit = cached.add_sequence("s", prompt)
     assert num_hit % block_size == 0 and num_hit < len(prompt)
     event(f"cached blocks: {min(num_hit // block_size, 3)}{'+' if num_hit // block_size >= 3 else ''}")
-    scratch = KVCacheManager(KVPool(64, dtype=dtype, **shape), **options)  # type: ignore[arg-type]
+    scratch = make_manager(64, **options)
     scratch.add_sequence("s")
     history_cached, history_scratch = list(prompt[:num_hit]), []
     if num_hit:

@@ -49,6 +49,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from support.managers import make_manager
 
 import pagedkv.cache
 import pagedkv.paged_attention
@@ -293,10 +294,9 @@ def test_manager_decode_is_bit_exact_through_fork_copy_on_write_swap_windows_and
 ) -> None:
     monkeypatch.setattr(quantization, "CHUNK_TOKENS", 5)
     rng = np.random.default_rng(11)
-    shape = {"block_size": 4, "num_kv_heads": 2, "head_dim": 16, "num_layers": 2, "dtype": np.float32,
-             "key_dtype": key_dtype, "value_dtype": value_dtype}
-    manager = KVCacheManager(KVPool(40, **shape), host_pool=KVPool(40, **shape), max_size=9,
-                             num_sink_tokens=2, num_q_heads=4)
+    manager = make_manager(40, host_blocks=40, block_size=4, num_kv_heads=2, head_dim=16, num_layers=2,
+                           dtype=np.float32, key_dtype=key_dtype, value_dtype=value_dtype, max_size=9,
+                           num_sink_tokens=2, num_q_heads=4)
     history: dict[str, list[list[np.ndarray]]] = {}
 
     def step(seq_id: str, num_new: int, method: str = "loop") -> None:

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
+from support.managers import make_manager
 
 from pagedkv import KVCache, KVCacheManager, KVPool, snapshot
 from pagedkv.errors import (
@@ -254,13 +255,12 @@ manager_configs = st.fixed_dictionaries({
 def build_manager(config: dict[str, Any]) -> KVCacheManager:
     num_kv_heads, num_q_heads = config["heads"]
     key_dtype, value_dtype = config["storage"]
-    shape = {"block_size": config["block_size"], "num_kv_heads": num_kv_heads, "head_dim": config["head_dim"],
-             "num_layers": config["num_layers"], "dtype": config["dtype"], "key_dtype": key_dtype,
-             "value_dtype": value_dtype}
-    host = KVPool(config["host_blocks"], **shape) if config["host_blocks"] else None
-    return KVCacheManager(KVPool(config["num_blocks"], **shape), max_size=config["max_size"],
-                          num_sink_tokens=config["num_sink_tokens"], num_q_heads=num_q_heads,
-                          host_pool=host, enable_prefix_caching=config["prefix"], scale=0.5)
+    return make_manager(config["num_blocks"], host_blocks=config["host_blocks"] or 0,
+                        block_size=config["block_size"], num_kv_heads=num_kv_heads,
+                        head_dim=config["head_dim"], num_layers=config["num_layers"], dtype=config["dtype"],
+                        key_dtype=key_dtype, value_dtype=value_dtype, max_size=config["max_size"],
+                        num_sink_tokens=config["num_sink_tokens"], num_q_heads=num_q_heads,
+                        enable_prefix_caching=config["prefix"], scale=0.5)
 
 
 def same_view(one: KVCacheManager, two: KVCacheManager) -> None:
@@ -377,10 +377,9 @@ def test_saving_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path: A
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory: Any) -> tuple[str, bytes]:
     """A snapshot of a manager using everything: prefix keys, forks, window, sinks, host tier, int8."""
-    shape = {"block_size": 2, "num_kv_heads": 2, "head_dim": 4, "num_layers": 2, "dtype": np.float32,
-             "key_dtype": "int8", "value_dtype": "float8_e4m3"}
-    manager = KVCacheManager(KVPool(24, **shape), host_pool=KVPool(8, **shape), max_size=6,
-                             num_sink_tokens=1, enable_prefix_caching=True, num_q_heads=4)
+    manager = make_manager(24, host_blocks=8, block_size=2, num_kv_heads=2, head_dim=4, num_layers=2,
+                           dtype=np.float32, key_dtype="int8", value_dtype="float8_e4m3", max_size=6,
+                           num_sink_tokens=1, enable_prefix_caching=True, num_q_heads=4)
     driver = Driver(manager)
     # add, add, decode, fork, decode, swap, add, free, batched decode
     history = [(0, 5, 6), (0, 5, 7), (2, 0, 0), (4, 1, 0), (2, 1, 0), (7, 0, 0), (0, 9, 3), (5, 2, 0),

@@ -498,11 +498,41 @@ def test_the_machine_catches_a_planted_bug(bug: str) -> None:
         run_state_machine_as_test(PlantedMachine, settings=hunt_settings())
 
 
-def test_the_machine_catches_evicting_after_scoring_by_its_outputs() -> None:
-    class RoomyMachine(CacheMachine):
-        cache_factory = staticmethod(evicts_after_scoring)
-        min_num_blocks = 8  # room for the extra entry: only the outputs can tell
+#: The largest window a roomy cache draws (small windows slide, and show the bug, within a few steps).
+ROOMY_MAX_SIZE = 4
 
+
+class RoomyMachine(CacheMachine):
+    """Windowed caches only, on a pool that can never run out, so only the outputs can tell.
+
+    A cache with window ``W`` holds at most ``W`` blocks, and ``W + 2`` while the
+    planted bug keeps one entry too many; with every open cache at the largest
+    window the pool still has room, so an attend is never refused and the bug
+    cannot surface as a ``PoolExhaustedError`` before it surfaces in an output
+    (with an 8-block pool, 1 hunt in 20 with other seeds found the exhaustion
+    first).
+    """
+
+    cache_factory = staticmethod(evicts_after_scoring)
+    min_num_blocks = MAX_OPEN_CACHES * (ROOMY_MAX_SIZE + 2)
+
+    @initialize(target=CacheMachine.caches, config=configs(), max_size=st.integers(1, ROOMY_MAX_SIZE))
+    def create_pool(self, config: Config, max_size: int | None) -> Handle:
+        return super().create_pool(config, max_size)
+
+    @precondition(
+        lambda self: len(self.handles) < MAX_CACHES
+        and sum(not h.model.closed for h in self.handles) < MAX_OPEN_CACHES
+    )
+    @rule(target=CacheMachine.caches, max_size=st.integers(1, ROOMY_MAX_SIZE))
+    def create_cache(self, max_size: int | None) -> Handle:
+        return super().create_cache(max_size)
+
+    def exhaust_pool(self, handle: Handle, data: Any) -> None:
+        """Not a rule here: the pool never runs out."""
+
+
+def test_the_machine_catches_evicting_after_scoring_by_its_outputs() -> None:
     with pytest.raises(AssertionError, match=r"recompute|oracle"):
         run_state_machine_as_test(RoomyMachine, settings=hunt_settings())
 

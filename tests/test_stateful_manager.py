@@ -18,8 +18,9 @@ forks), and predicts from that alone:
   oracle over that sequence's own history (window and sinks applied), and
   bit for bit from ``reference.attend_window`` for single-token decodes.
 
-Misuse rules check the error type and that nothing changed. After every
-step ``check_invariants()`` runs.
+Misuse rules, one a wrong call and each enabled only where that misuse is
+possible, check the error type and that nothing changed. After every step
+``check_invariants()`` runs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from support.managers import ceil_div, make_manager, manager_state
+from support.windows import visible
 
 from pagedkv import (
     Batch,
@@ -64,10 +67,6 @@ from pagedkv.testing.oracle import FLOAT32_EPS, FLOAT64_EPS, attend, within_tole
 
 RUNNING, PREEMPTED, SWAPPED = "running", "preempted", "swapped"
 STATES = {SequenceState.RUNNING: RUNNING, SequenceState.PREEMPTED: PREEMPTED, SequenceState.SWAPPED: SWAPPED}
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -114,24 +113,6 @@ class Pending:
     batch: Batch
     kvq: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     stale: bool = False
-
-
-def snapshot(m: KVCacheManager) -> Any:
-    def pool_state(pool: KVPool | None) -> Any:
-        if pool is None:
-            return None
-        allocator = pool.allocator
-        return (
-            allocator.free_block_ids(),
-            [allocator.ref_count(i) for i in range(allocator.num_blocks)],
-            [pool.keys(layer).tobytes() + pool.values(layer).tobytes() for layer in range(pool.num_layers)],
-        )
-
-    tables = {
-        s: (m.state(s), m.block_table(s).block_ids, m.num_tokens(s), m.block_table(s).window_start)
-        for s in m.seq_ids
-    }
-    return pool_state(m.pool), pool_state(m.host_pool), tables, m.metrics()
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -181,22 +162,20 @@ class ManagerMachine(RuleBasedStateMachine):
         host_blocks: int,
         scale: float,
     ) -> Any:
-        shape = dict(
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_layers=num_layers,
-            dtype=dtype,
-        )
         windows: dict[str, Any] = {"max_size": window}
         if per_layer and num_layers == 2:
             windows = {"layer_max_sizes": tuple(layer_windows)}
             self.windows = list(layer_windows)
         else:
             self.windows = [window] * num_layers
-        self.m = KVCacheManager(
-            KVPool(num_blocks, **shape),  # type: ignore[arg-type]
-            host_pool=KVPool(host_blocks, **shape) if host_blocks else None,  # type: ignore[arg-type]
+        self.m = make_manager(
+            num_blocks,
+            host_blocks=host_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            dtype=dtype,
             num_sink_tokens=sinks,
             num_q_heads=num_kv_heads * group,
             scale=scale,
@@ -306,8 +285,7 @@ class ManagerMachine(RuleBasedStateMachine):
             first = len(hist) - int(hi - lo)
             for t in range(int(lo), int(hi)):
                 p = first + t - int(lo)
-                start = self.num_sinks if window is None else max(self.num_sinks, p - window + 1)
-                seen = list(range(min(self.num_sinks, p + 1))) + list(range(start, p + 1))
+                seen = visible(p, self.num_sinks, window)
                 keys, values = [hist[j][0] for j in seen], [hist[j][1] for j in seen]
                 expected, peak = attend(
                     q[t].tolist(), [x.tolist() for x in keys], [x.tolist() for x in values], self.scale
@@ -323,10 +301,10 @@ class ManagerMachine(RuleBasedStateMachine):
                     )
 
     def refused(self, error: type[Exception], action: Any, fragment: str | None = None) -> None:
-        before = snapshot(self.mgr)
+        before = manager_state(self.mgr)
         with pytest.raises(error, match=fragment):
             action()
-        assert snapshot(self.mgr) == before, "a refused call changed the manager"
+        assert manager_state(self.mgr) == before, "a refused call changed the manager"
 
     def invalidate(self, seq_id: Hashable) -> None:
         if self.pending is not None and seq_id in self.pending.batch.seq_ids:
@@ -496,86 +474,122 @@ class ManagerMachine(RuleBasedStateMachine):
             model.state = RUNNING
 
     # ------------------------------------------------------------ rules: misuse
+    # One rule per wrong call, enabled only where that misuse is possible; each
+    # raises its own error and changes nothing (``refused`` checks both).
 
-    MISUSES = (
-        "unknown id",
-        "freed id",
-        "duplicate id",
-        "fork onto existing",
-        "zero tokens",
-        "negative tokens",
-        "layer out of range",
-        "write again",
-        "attend before write",
-        "wrong shape",
-        "reserve while pending",
-        "resume running",
-    )
+    def fresh_pending(self) -> Pending | None:
+        """The half-written batch, unless a free or preemption made it stale."""
+        return self.pending if self.pending is not None and not self.pending.stale else None
 
-    @rule(kind=st.sampled_from(MISUSES), pick=st.integers(0, 2**8), op=st.integers(0, 6))
-    def misuse(self, kind: str, pick: int, op: int) -> None:
-        """One wrong call; it raises its own error and changes nothing (``refused`` checks)."""
+    @rule(op=st.integers(0, 6))
+    def misuse_unknown_id(self, op: int) -> None:
+        self.refuse_every_call_on("never-added", op)
+        event("misuse: unknown id")
+
+    @precondition(lambda self: bool(self.freed))
+    @rule(pick=st.integers(0, 2**8), op=st.integers(0, 6))
+    def misuse_freed_id(self, pick: int, op: int) -> None:
+        self.refuse_every_call_on(self.freed[pick % len(self.freed)], op)
+        event("misuse: freed id")
+
+    def refuse_every_call_on(self, seq_id: Hashable, op: int) -> None:
         m = self.mgr
-        live = sorted(self.model)
-        some = live[pick % len(live)] if live else None
+        calls = [
+            lambda: m.reserve({seq_id: 1}),
+            lambda: m.plan({seq_id: 1}),
+            lambda: m.fork(seq_id, "child"),
+            lambda: m.free(seq_id),
+            lambda: m.preempt(seq_id),
+            lambda: m.resume(seq_id),
+            lambda: m.block_table(seq_id),
+        ]
+        self.refused(UnknownSequenceError, calls[op], f"no sequence '{seq_id}'")
+
+    @precondition(lambda self: bool(self.model))
+    @rule(seq_id=seqs)
+    def misuse_duplicate_id(self, seq_id: str) -> None:
+        self.refused(DuplicateSequenceError, lambda: self.mgr.add_sequence(seq_id), "already exists")
+        event("misuse: duplicate id")
+
+    @precondition(lambda self: any(model.settled for model in self.model.values()))
+    @rule(child=seqs, pick=st.integers(0, 2**8))
+    def misuse_fork_onto_existing(self, child: str, pick: int) -> None:
+        parents = sorted(s for s, model in self.model.items() if model.settled)
+        parent = parents[pick % len(parents)]
+        self.refused(DuplicateSequenceError, lambda: self.mgr.fork(parent, child), "exists")
+        event("misuse: fork onto existing")
+
+    @precondition(lambda self: bool(self.model))
+    @rule(seq_id=seqs, count=st.integers(-7, 0))
+    def misuse_zero_or_negative_tokens(self, seq_id: str, count: int) -> None:
+        fragment = f"must be an int >= 1, got {count}"
+        self.refused(ConfigError, lambda: self.mgr.reserve({seq_id: count}), fragment)
+        event("misuse: zero tokens" if count == 0 else "misuse: negative tokens")
+
+    @precondition(lambda self: self.last_batch is not None)
+    @rule(beyond=st.integers(-1, 6))
+    def misuse_layer_out_of_range(self, beyond: int) -> None:
         batch = self.last_batch
-        pending = self.pending if self.pending is not None and not self.pending.stale else None
-        if kind in ("unknown id", "freed id"):
-            seq_id = (
-                self.freed[pick % len(self.freed)] if kind == "freed id" and self.freed else "never-added"
-            )
-            calls = [
-                lambda: m.reserve({seq_id: 1}),
-                lambda: m.plan({seq_id: 1}),
-                lambda: m.fork(seq_id, "child"),
-                lambda: m.free(seq_id),
-                lambda: m.preempt(seq_id),
-                lambda: m.resume(seq_id),
-                lambda: m.block_table(seq_id),
-            ]
-            self.refused(UnknownSequenceError, calls[op], f"no sequence '{seq_id}'")
-        elif kind == "duplicate id" and some is not None:
-            self.refused(DuplicateSequenceError, lambda: m.add_sequence(some), "already exists")
-        elif kind == "fork onto existing" and some is not None:
-            parents = [s for s in live if self.model[s].settled]
-            if parents:
-                self.refused(
-                    DuplicateSequenceError, lambda: m.fork(parents[op % len(parents)], some), "exists"
-                )
-        elif kind in ("zero tokens", "negative tokens") and some is not None:
-            count = 0 if kind == "zero tokens" else -1 - op
-            self.refused(ConfigError, lambda: m.reserve({some: count}), f"must be an int >= 1, got {count}")
-        elif kind == "layer out of range" and batch is not None:
-            layer = [-1, self.num_layers, self.num_layers + op][pick % 3]
-            zeros = np.zeros((batch.num_tokens, *self.kv_shape))
-            self.refused(LayerIndexError, lambda: m.write(layer, batch, zeros, zeros), "out of range")
-            q = np.zeros((batch.num_tokens, *self.q_shape))
-            self.refused(LayerIndexError, lambda: m.attend(layer, batch, q), "out of range")
-        elif kind == "write again" and batch is not None:
-            # layer 0 of the newest batch is written, or the batch is stale by now
-            zeros = np.zeros((batch.num_tokens, *self.kv_shape))
-            self.refused(SequenceStateError, lambda: m.write(0, batch, zeros, zeros))
-        elif kind == "attend before write" and pending is not None:
-            q = pending.kvq[1][2]
-            self.refused(SequenceStateError, lambda: m.attend(1, pending.batch, q), "call write")
-        elif kind == "wrong shape" and pending is not None:
-            n = pending.batch.num_tokens
-            wrong = [np.zeros((n + 1, *self.kv_shape)), np.zeros((n, self.kv_shape[0] + 1, self.kv_shape[1]))]
-            k = wrong[op % 2]
-            self.refused(ShapeError, lambda: m.write(1, pending.batch, k, k), "must have shape")
-            bad_q = np.zeros((n, self.q_shape[0], self.q_shape[1] + 1))
-            self.refused(ShapeError, lambda: m.attend(0, pending.batch, bad_q), "must have shape")
-        elif kind == "reserve while pending" and pending is not None:
-            seq_id = pending.batch.seq_ids[op % pending.batch.num_seqs]
-            self.refused(SequenceStateError, lambda: m.reserve({seq_id: 1}), "have not written")
-            if self.num_host_blocks:
-                self.refused(SequenceStateError, lambda: m.preempt(seq_id, "swap"), "cannot swap out")
-            self.refused(SequenceStateError, lambda: m.fork(seq_id, "child"), "cannot fork")
-        elif kind == "resume running" and some is not None and self.model[some].state == RUNNING:
-            self.refused(SequenceStateError, lambda: m.resume(some), "is running")
-        else:
-            return
-        event(f"misuse: {kind}")
+        assert batch is not None
+        layer = -1 if beyond == -1 else self.num_layers + beyond
+        zeros = np.zeros((batch.num_tokens, *self.kv_shape))
+        self.refused(LayerIndexError, lambda: self.mgr.write(layer, batch, zeros, zeros), "out of range")
+        q = np.zeros((batch.num_tokens, *self.q_shape))
+        self.refused(LayerIndexError, lambda: self.mgr.attend(layer, batch, q), "out of range")
+        event("misuse: layer out of range")
+
+    @precondition(lambda self: self.last_batch is not None)
+    @rule()
+    def misuse_write_again(self) -> None:
+        # layer 0 of the newest batch is written, or the batch is stale by now
+        batch = self.last_batch
+        assert batch is not None
+        zeros = np.zeros((batch.num_tokens, *self.kv_shape))
+        self.refused(SequenceStateError, lambda: self.mgr.write(0, batch, zeros, zeros))
+        event("misuse: write again")
+
+    @precondition(lambda self: self.fresh_pending() is not None)
+    @rule()
+    def misuse_attend_before_write(self) -> None:
+        pending = self.fresh_pending()
+        assert pending is not None
+        q = pending.kvq[1][2]
+        self.refused(SequenceStateError, lambda: self.mgr.attend(1, pending.batch, q), "call write")
+        event("misuse: attend before write")
+
+    @precondition(lambda self: self.fresh_pending() is not None)
+    @rule(too_many_heads=st.booleans())
+    def misuse_wrong_shape(self, too_many_heads: bool) -> None:
+        pending = self.fresh_pending()
+        assert pending is not None
+        m, n = self.mgr, pending.batch.num_tokens
+        heads, head_dim = self.kv_shape
+        k = np.zeros((n, heads + 1, head_dim) if too_many_heads else (n + 1, heads, head_dim))
+        self.refused(ShapeError, lambda: m.write(1, pending.batch, k, k), "must have shape")
+        bad_q = np.zeros((n, self.q_shape[0], self.q_shape[1] + 1))
+        self.refused(ShapeError, lambda: m.attend(0, pending.batch, bad_q), "must have shape")
+        event("misuse: wrong shape")
+
+    @precondition(lambda self: self.fresh_pending() is not None)
+    @rule(pick=st.integers(0, 2**8))
+    def misuse_reserve_while_pending(self, pick: int) -> None:
+        pending = self.fresh_pending()
+        assert pending is not None
+        m = self.mgr
+        seq_id = pending.batch.seq_ids[pick % pending.batch.num_seqs]
+        self.refused(SequenceStateError, lambda: m.reserve({seq_id: 1}), "have not written")
+        if self.num_host_blocks:
+            self.refused(SequenceStateError, lambda: m.preempt(seq_id, "swap"), "cannot swap out")
+        self.refused(SequenceStateError, lambda: m.fork(seq_id, "child"), "cannot fork")
+        event("misuse: reserve while pending")
+
+    @precondition(lambda self: any(model.state == RUNNING for model in self.model.values()))
+    @rule(pick=st.integers(0, 2**8))
+    def misuse_resume_running(self, pick: int) -> None:
+        running = sorted(s for s, model in self.model.items() if model.state == RUNNING)
+        seq_id = running[pick % len(running)]
+        self.refused(SequenceStateError, lambda: self.mgr.resume(seq_id), "is running")
+        event("misuse: resume running")
 
     # ------------------------------------------------------------ invariants
 

@@ -12,9 +12,10 @@ frees or preempts their sequences as it does::
 
     WAITING, RUNNING or PREEMPTED ---abort---> ABORTED   (it outgrew the whole pool running alone)
 
-The scheduler (:mod:`pagedkv.simulate.engine`) decides when; the schedule
-only records. Step arithmetic, a request with prompt 3 and output 4
-admitted at step 10::
+The scheduler (:mod:`pagedkv.simulate.engine` and
+:mod:`~pagedkv.simulate.admission`) decides when; the schedule keeps the
+order that says whom (FCFS admission, the newest preempted first). Step
+arithmetic, a request with prompt 3 and output 4 admitted at step 10::
 
     step                  10   11   12   13   14
     tokens per sequence    3    4    5    6    7      = prompt_len + step - base
