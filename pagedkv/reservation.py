@@ -238,7 +238,6 @@ def commit_reservation(
     pool's current state, and it fits.
     """
     allocator = pool.allocator
-    bs = pool.block_size
     if windowed:
         # Every eviction first: the plan counts a later sequence's released
         # blocks as available to an earlier sequence's new blocks.
