@@ -80,6 +80,7 @@ class BlockAllocator:
     __slots__ = (
         "_cached",
         "_cached_free",
+        "_deferred",
         "_head",
         "_num_blocks",
         "_queue",
@@ -109,6 +110,9 @@ class BlockAllocator:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         #: Called with a cached block's id when allocation evicts it for reuse.
         self.on_evict: Callable[[int], None] | None = None
+        # Actions handed over by ``defer`` (a finalizer that could not take the
+        # pool's lock); the next ``allocate`` or ``release_deferred`` runs them.
+        self._deferred: list[Callable[[], None]] = []
 
     # ---------------------------------------------------------------- queries
 
@@ -199,6 +203,8 @@ class BlockAllocator:
         """
         if num_blocks.__class__ is not int or num_blocks < 0:
             num_blocks = check_count("num_blocks", num_blocks, minimum=0)
+        if self._deferred:
+            self.release_deferred()
         head = self._head
         end = head + num_blocks
         queue = self._queue
@@ -220,6 +226,8 @@ class BlockAllocator:
         Raises:
             PoolExhaustedError: no block is free; nothing changes.
         """
+        if self._deferred:
+            self.release_deferred()
         head = self._head
         if head < len(self._queue):
             block_id = self._queue[head]
@@ -309,6 +317,19 @@ class BlockAllocator:
         if self._head > 64 and 2 * self._head > len(queue):
             del queue[: self._head]
             self._head = 0
+
+    def defer(self, action: Callable[[], None]) -> None:
+        """Hand over ``action`` (a dropped owner's frees) to run at the next ``allocate``; change nothing now.
+
+        For finalizers: appending to a list is safe at any moment, even in the
+        middle of another command of this allocator.
+        """
+        self._deferred.append(action)
+
+    def release_deferred(self) -> None:
+        """Run the actions ``defer`` handed over, oldest first (the caller holds the pool's lock)."""
+        while self._deferred:
+            self._deferred.pop(0)()
 
     def free_one(self, block_id: int) -> None:
         """Drop one reference from ``block_id``; the fast path of ``free([block_id])``."""

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable, TableState
 from pagedkv.counts import check_count, check_max_size, window_blocks
 from pagedkv.errors import (
@@ -56,9 +55,10 @@ class CacheState:
     table: TableState
 
 
-def _release(allocator: BlockAllocator, table: BlockTable) -> None:
-    """Give a dropped cache's blocks back to its shared pool (a finalizer)."""
-    allocator.free(table.clear())
+def _release(pool: KVPool, table: BlockTable) -> None:
+    """Give a dropped cache's blocks back to its shared pool (a finalizer; any thread, any time)."""
+    block_ids = table.clear()
+    pool.run_or_defer(lambda: pool.allocator.free(block_ids))
 
 
 class KVCache:
@@ -115,6 +115,12 @@ class KVCache:
         self._max_size = check_max_size(max_size)
         if pool is not None and not isinstance(pool, KVPool):
             raise InputTypeError(f"pool must be a KVPool or None, got {type(pool).__name__}")
+        if pool is not None and pool.growable:
+            raise ConfigError(
+                "pool is growable (a KVCache's private pool, or KVPool(..., growable=True)); a cache "
+                "compacts its private pool under anyone sharing it: give every cache one fixed pool, "
+                "KVPool(num_blocks, ...)"
+            )
         if pool is not None and pool.num_layers != 1:
             raise ConfigError(
                 f"a KVCache stores one layer but the pool has num_layers={pool.num_layers}; "
@@ -257,34 +263,16 @@ class KVCache:
         key_abs = float(np.abs(key).max())
         check_score_bound(self._scale, query, max(self._max_abs_key, key_abs), self._dtype)
 
-        table = self._table
-        window_start = table.window_start
-        if self._max_size is not None:
-            window_start = table.num_tokens + 1 - self._max_size
-        num_new = table.num_new_blocks(1)
-        if num_new and not self._private:
-            assert self._pool is not None
-            num_free = self._pool.num_free_blocks + table.num_blocks_released_by(window_start)
-            if num_free < 1:
-                raise PoolExhaustedError(1, 0, self._pool.num_blocks)
-        # ---- validated: from here on nothing can fail ----
-        if self._pool is None:
-            self._create_private_pool(key.shape)
+        if self._private or self._pool is None:
+            self._append(key, value, key_abs)
+        else:
+            with self._pool.lock:  # other caches may take blocks of this pool from other threads
+                self._append(key, value, key_abs)
         pool = self._pool
         assert pool is not None
-        if self._kv_shape is None:
-            self._kv_shape = key.shape
-        self._max_abs_key = max(self._max_abs_key, key_abs)
-        released = table.evict_to(window_start)
-        if released:
-            pool.allocator.free(released)
-        new_ids = [self._take_block(pool)] if num_new else []
-        offset = table.num_tokens % self._block_size
-        table.append(1, new_ids)
-        heads = (pool.num_kv_heads, pool.head_dim)
-        pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
         queries = query.reshape(1, -1, pool.head_dim)  # (1 new token, num_q_heads, head_dim)
-        out = attend_sequence(pool, 0, table, self._max_size, queries, self._scale).reshape(query.shape)
+        out = attend_sequence(pool, 0, self._table, self._max_size, queries, self._scale)
+        out = out.reshape(query.shape)
         return out.tolist() if q_is_list else out
 
     def clear(self) -> None:
@@ -296,7 +284,10 @@ class KVCache:
         released = self._table.clear()
         if self._private:
             released.reverse()
-        self._pool.allocator.free(released)
+            self._pool.allocator.free(released)
+        else:
+            with self._pool.lock:
+                self._pool.allocator.free(released)
         self._max_abs_key = 0.0
 
     def close(self) -> None:
@@ -342,10 +333,43 @@ class KVCache:
 
     # ---------------------------------------------------------------- private
 
+    def _append(self, key: npt.NDArray[Any], value: npt.NDArray[Any], key_abs: float) -> None:
+        """Evict past the window, take a block if needed, store ``key``/``value`` (validated).
+
+        Raises:
+            PoolExhaustedError: a shared pool has no free block; nothing changes.
+        """
+        table = self._table
+        window_start = table.window_start
+        if self._max_size is not None:
+            window_start = table.num_tokens + 1 - self._max_size
+        num_new = table.num_new_blocks(1)
+        if num_new and not self._private:
+            assert self._pool is not None
+            num_free = self._pool.num_free_blocks + table.num_blocks_released_by(window_start)
+            if num_free < 1:
+                raise PoolExhaustedError(1, 0, self._pool.num_blocks)
+        # ---- validated: from here on nothing can fail ----
+        if self._pool is None:
+            self._create_private_pool(key.shape)
+        pool = self._pool
+        assert pool is not None
+        if self._kv_shape is None:
+            self._kv_shape = key.shape
+        self._max_abs_key = max(self._max_abs_key, key_abs)
+        released = table.evict_to(window_start)
+        if released:
+            pool.allocator.free(released)
+        new_ids = [self._take_block(pool)] if num_new else []
+        offset = table.num_tokens % self._block_size
+        table.append(1, new_ids)
+        heads = (pool.num_kv_heads, pool.head_dim)
+        pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
+
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)
         if not self._private:
-            self._finalizer = weakref.finalize(self, _release, pool.allocator, self._table)
+            self._finalizer = weakref.finalize(self, _release, pool, self._table)
 
     def _check_shapes(
         self, query: npt.NDArray[Any], key: npt.NDArray[Any], value: npt.NDArray[Any]

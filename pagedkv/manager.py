@@ -24,8 +24,10 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+import functools
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,8 +71,54 @@ __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[KVCacheManager, _P], _R],
+) -> Callable[Concatenate[KVCacheManager, _P], _R]:
+    """Run a manager command under its pool's lock (see "Concurrency" in docs/design.md)."""
+
+    def locked(self: KVCacheManager, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.pool.lock:
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(locked, method)
+    return locked
+
+
+def _release_all(
+    pool: KVPool, host_pool: KVPool | None, records: SequenceRegistry, sharing: PrefixSharing | None
+) -> None:
+    """Give a dropped manager's blocks back and close its prefix cache (a finalizer)."""
+    device: list[int] = []
+    host: list[int] = []
+    for record in records.values():
+        if record.state is SequenceState.RUNNING:
+            device.extend(record.table.clear())
+        elif record.state is SequenceState.SWAPPED:
+            host.extend(record.table.clear())
+    records.clear()
+
+    def give_back() -> None:
+        pool.allocator.free(device)
+        if sharing is not None:
+            sharing.cache.close()
+
+    pool.run_or_defer(give_back)
+    if host_pool is not None and host:
+        host_pool.run_or_defer(lambda: host_pool.allocator.free(host))
+
+
 class KVCacheManager:
     """Block tables for many sequences over one :class:`~pagedkv.KVPool`.
+
+    Threads: independent sequences may be driven from different threads (every
+    command holds the pool's lock; attention runs outside it on per-thread
+    scratch); one sequence driven from two threads at once is the caller's to
+    serialise. A manager dropped without ``free`` gives every block back when
+    it is collected, and its prefix cache stops, so another manager can run one.
 
     Invariants:
         * the pool's invariants hold, counting every running sequence's table
@@ -160,6 +208,7 @@ class KVCacheManager:
         pool.attach(self._holders[0])
         if host_pool is not None:
             host_pool.attach(self._holders[1])
+        weakref.finalize(self, _release_all, pool, self.host_pool, self._seqs, self._sharing)
 
     # ---------------------------------------------------------------- queries
 
@@ -209,6 +258,7 @@ class KVCacheManager:
 
     # --------------------------------------------------------------- commands
 
+    @_locked
     def add_sequence(
         self,
         seq_id: Hashable,
@@ -261,6 +311,7 @@ class KVCacheManager:
             record.token_ids = None
         return num_hit
 
+    @_locked
     def reset_prefix_cache(self) -> None:
         """Drop every block key; refused while any block is in use.
 
@@ -276,6 +327,7 @@ class KVCacheManager:
             )
         self._sharing.cache.reset()
 
+    @_locked
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
 
@@ -317,6 +369,7 @@ class KVCacheManager:
         self._counters["copy_on_write"] += plan.num_copy_on_write
         return batch
 
+    @_locked
     def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
         """Store one layer's k/v for every token of ``batch``.
 
@@ -392,6 +445,7 @@ class KVCacheManager:
             self.pool, layer, tables, batch.query_start, window, query_array, self.scale, method
         )
 
+    @_locked
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Start ``child`` as a copy of ``parent`` that shares every block (no copy).
 
@@ -411,6 +465,7 @@ class KVCacheManager:
         self._seqs[child] = twin
         self._counters["forks"] += 1
 
+    @_locked
     def cancel_reservation(self, seq_id: Hashable) -> None:
         """Take back ``seq_id``'s reserved tokens that some layer has not written.
 
@@ -430,6 +485,7 @@ class KVCacheManager:
         if released:
             self.pool.allocator.free(released)
 
+    @_locked
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
 
@@ -440,6 +496,7 @@ class KVCacheManager:
         self._release(seq)
         del self._seqs[seq_id]
 
+    @_locked
     def preempt(self, seq_id: Hashable, mode: str = "recompute") -> None:
         """Take a running sequence's blocks away; ``resume`` brings it back.
 
@@ -467,11 +524,13 @@ class KVCacheManager:
         else:
             host = self._host()
             check_settled(seq, "swap out")
-            swap_out(seq, self.pool, host)
+            with host.lock:
+                swap_out(seq, self.pool, host)
             self._counters["swaps_out"] += 1
         seq.reservation_id = 0
         self._counters["preemptions"] += 1
 
+    @_locked
     def resume(self, seq_id: Hashable) -> int:
         """Bring a preempted or swapped sequence back to running.
 
@@ -496,7 +555,8 @@ class KVCacheManager:
         if seq.state is SequenceState.RUNNING:
             raise SequenceStateError(f"sequence {seq_id!r} is running; only preempted ones resume")
         if seq.state is SequenceState.SWAPPED:
-            swap_in(seq, self.pool, self._host())
+            with self._host().lock:
+                swap_in(seq, self.pool, self._host())
             self._counters["swaps_in"] += 1
             if self._sharing is not None:
                 self._sharing.rekey_restored(seq)
@@ -514,6 +574,7 @@ class KVCacheManager:
 
     # -------------------------------------------------------------- reporting
 
+    @_locked
     def metrics(self) -> ManagerMetrics:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
         cache = self._sharing.cache if self._sharing is not None else None
@@ -527,6 +588,7 @@ class KVCacheManager:
             num_prefix_evictions=cache.num_evictions if cache else 0,
         )
 
+    @_locked
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
         self.pool.check_invariants()
@@ -599,4 +661,5 @@ class KVCacheManager:
         if seq.state is SequenceState.RUNNING:
             self.pool.allocator.free(released)
         elif seq.state is SequenceState.SWAPPED:
-            self._host().allocator.free(released)
+            with self._host().lock:
+                self._host().allocator.free(released)

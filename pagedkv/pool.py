@@ -17,8 +17,9 @@ Any other table is gathered into a reusable scratch buffer first.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -133,8 +134,13 @@ class KVPool:
         # Scales (num_kv_heads, num_blocks, block_size, num_groups) per quantized side and layer.
         self._key_scales = self._new_scales(self._key_format, num_blocks)
         self._value_scales = self._new_scales(self._value_format, num_blocks)
-        self._scratch_keys = np.empty(0, self.dtype)
-        self._scratch_values = np.empty(0, self.dtype)
+        # NOTE: one scratch pair per thread, so caches (or sequences) used from
+        # different threads never overwrite each other's gathered keys.
+        self._scratch = threading.local()
+        #: Held by every cache and manager command that changes this pool's
+        #: allocator or pages (see docs/design.md, "Concurrency"). A plain
+        #: lock, not re-entrant: a finalizer that finds it held defers its frees.
+        self.lock = threading.Lock()
         # What holds blocks of this pool, for ``check_invariants``. Weak, so a
         # cache dropped without close() can be collected and its finalizer
         # can give its blocks back.
@@ -229,8 +235,9 @@ class KVPool:
         """The keys and values ``plan`` reads, as ``(num_kv_heads, plan.num_tokens, head_dim)``.
 
         A plan whose blocks are one run is read as a view of the storage;
-        any other is gathered into this pool's scratch buffer, which the next
-        ``gather`` overwrites: read the result before gathering again.
+        any other is gathered into this thread's scratch buffer of this pool,
+        which the thread's next ``gather`` overwrites: read the result before
+        gathering again (other threads have scratch of their own).
 
         A quantized pool returns new arrays of the dequantized values
         (attention reads ``gather_quantized`` instead).
@@ -386,8 +393,30 @@ class KVPool:
 
     # -------------------------------------------------------------- invariants
 
+    def run_or_defer(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (a dropped owner giving its blocks back) under the lock, now or later.
+
+        For finalizers, which may run in any thread at any moment: the action
+        runs now when the pool's lock is free; otherwise (another thread, or
+        this one in the middle of a command, holds it) it waits in the
+        allocator until its next ``allocate``.
+        """
+        if self.lock.acquire(blocking=False):
+            try:
+                self.allocator.release_deferred()
+                action()
+            finally:
+                self.lock.release()
+        else:
+            self.allocator.defer(action)
+
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if any invariant in the class docstring is broken."""
+        """Raise ``AssertionError`` if any invariant in the class docstring is broken.
+
+        Call it when no other thread is changing the pool (a manager's
+        ``check_invariants`` holds the pool's lock around it).
+        """
+        self.allocator.release_deferred()  # a dropped owner's frees first
         self.allocator.check_invariants()
         held = [0] * self.num_blocks
         for holder in self._holders.values():
@@ -419,10 +448,10 @@ class KVPool:
     ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
         num = len(slots)
         size = self.num_kv_heads * num * self.head_dim
-        self._reserve_scratch(size)
+        scratch_keys, scratch_values = self._scratch_of(size)
         shape = (self.num_kv_heads, num, self.head_dim)
-        key_out = self._scratch_keys[:size].reshape(shape)
-        value_out = self._scratch_values[:size].reshape(shape)
+        key_out = scratch_keys[:size].reshape(shape)
+        value_out = scratch_values[:size].reshape(shape)
         flat = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
         # NOTE: mode="clip" skips the bounds check that makes the default
         # mode="raise" buffer the whole result when out= is given; slots come
@@ -441,10 +470,10 @@ class KVPool:
         num = len(block_ids)
         bs = self.block_size
         size = self.num_kv_heads * num * bs * self.head_dim
-        self._reserve_scratch(size)
+        scratch_keys, scratch_values = self._scratch_of(size)
         shape = (self.num_kv_heads, num, bs, self.head_dim)
-        key_out = self._scratch_keys[:size].reshape(shape)
-        value_out = self._scratch_values[:size].reshape(shape)
+        key_out = scratch_keys[:size].reshape(shape)
+        value_out = scratch_values[:size].reshape(shape)
         ids = np.array(block_ids, np.intp)
         np.take(keys, ids, axis=1, out=key_out, mode="clip")
         np.take(values, ids, axis=1, out=value_out, mode="clip")
@@ -475,11 +504,15 @@ class KVPool:
             return np.array(side)
         return floats(sides[0]), floats(sides[1])
 
-    def _reserve_scratch(self, size: int) -> None:
-        if self._scratch_keys.size < size:
-            capacity = max(size, 2 * self._scratch_keys.size)
-            self._scratch_keys = np.empty(capacity, self.dtype)
-            self._scratch_values = np.empty(capacity, self.dtype)
+    def _scratch_of(self, size: int) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """This thread's scratch pair, at least ``size`` values each (grown geometrically)."""
+        scratch = self._scratch
+        keys: npt.NDArray[np.floating] | None = getattr(scratch, "keys", None)
+        if keys is None or keys.size < size:
+            capacity = max(size, 2 * (0 if keys is None else keys.size))
+            scratch.keys = np.empty(capacity, self.dtype)
+            scratch.values = np.empty(capacity, self.dtype)
+        return scratch.keys, scratch.values
 
     def __repr__(self) -> str:
         return (

@@ -202,6 +202,7 @@ class PrefixCache:
             ConfigError: another prefix cache already runs on this allocator
                 (two would each drop keys the other owns).
         """
+        allocator.release_deferred()  # a dropped manager's cache may still be closing
         if allocator.on_evict is not None:
             raise ConfigError(
                 "another prefix cache (another manager with enable_prefix_caching=True) already runs on "
@@ -258,6 +259,14 @@ class PrefixCache:
             self._allocator.unmark_cached(block_id)
         self._block_of.clear()
         self._key_of.clear()
+
+    def close(self) -> None:
+        """Drop every key and stop listening to the allocator, so another prefix cache may run on it.
+
+        Cached free blocks become plain free blocks; used blocks stay used.
+        """
+        self.reset()
+        self._allocator.on_evict = None
 
     def _export_state(self) -> tuple[list[tuple[int, bytes]], int]:
         """``([(block_id, key), ...] in insertion order, num_evictions)``: the internal snapshot hook.

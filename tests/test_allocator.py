@@ -92,6 +92,20 @@ def test_shared_block_returns_to_the_queue_only_when_its_last_reference_drops() 
     alloc.check_invariants()
 
 
+def test_free_one_of_an_unshared_block_appends_it_to_the_tail_of_the_queue() -> None:
+    alloc = BlockAllocator(4)
+    alloc.allocate(3)
+    # used: 0 1 2      free: [3]
+    alloc.free_one(1)
+    # used: 0 2        free: [3, 1]      (1 rejoins at the tail, behind 3)
+    assert alloc.free_block_ids() == [3, 1]
+    alloc.free_one(0)
+    # used: 2          free: [3, 1, 0]
+    assert state(alloc) == ([3, 1, 0], [0, 0, 1, 0])
+    assert alloc.allocate(3) == [3, 1, 0]  # handed out oldest free first
+    alloc.check_invariants()
+
+
 def test_free_with_a_repeated_id_drops_one_reference_per_appearance() -> None:
     alloc = BlockAllocator(4)
     alloc.allocate(4)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCache, KVPool, reference
-from pagedkv.errors import PoolExhaustedError
+from pagedkv.errors import NonFiniteError, PoolExhaustedError
 
 
 def token(index: int) -> tuple[list[float], list[float], list[float]]:
@@ -352,6 +352,20 @@ def test_clear_gives_every_block_back_and_the_cache_starts_over() -> None:
     fresh = KVCache(max_size=5, block_size=2)
     for i in range(7):
         assert stream.cache.attend(*token(i)) == fresh.attend(*token(i))
+
+
+def test_clear_forgets_the_largest_key_the_overflow_check_remembers() -> None:
+    # The score bound is |scale| * sum|q| * max|k| over the keys attended over.
+    # After a key of 1e300, a query of 1e300 could overflow (1e600), so attend
+    # refuses it; once clear has dropped that key, the same query over a key of
+    # 1.0 is bounded by 1e300 and must be answered.
+    cache = KVCache()
+    assert cache.attend([1e-300], [1e300], [2.0]) == [2.0]
+    with pytest.raises(NonFiniteError, match="could reach"):
+        cache.attend([1e300], [1.0], [3.0])
+    cache.clear()
+    assert cache.attend([1e300], [1.0], [3.0]) == [3.0]
+    cache.check_invariants()
 
 
 def test_close_gives_blocks_back_refuses_use_and_is_idempotent() -> None:

@@ -622,6 +622,43 @@ def test_swap_restores_into_other_blocks_with_identical_outputs(
     assert (metrics.num_swaps_out, metrics.num_swaps_in, metrics.num_preemptions) == (1, 1, 1)
 
 
+def test_swap_in_from_host_blocks_out_of_id_order_gives_identical_outputs() -> None:
+    # A host pool of 4 blocks (block_size 4). x swaps out to host [0, 1] and y
+    # to host [2]; freeing x gives its host blocks back tail first:
+    #   host free [3, 1, 0]
+    # so z (10 tokens, 3 blocks) swaps out to host [3, 1, 0], its logical
+    # blocks in decreasing host ids. Swapping in must bring each back to its own
+    # logical block: every later output equals, bit for bit, a twin manager
+    # that never swapped.
+    twin, driver = Driver(make_manager(num_blocks=12)), Driver(make_manager(num_blocks=12, host_blocks=4))
+    for d in (twin, driver):
+        d.add("x", "y", "z")
+    rng_twin, rng = np.random.default_rng(8), np.random.default_rng(8)
+
+    def both(request: dict[str, int]) -> None:
+        n = sum(request.values())
+        outs_twin = twin.step(request, arrays=twin.arrays(n, rng_twin))
+        outs = driver.step(request, arrays=driver.arrays(n, rng))
+        for a, b in zip(outs_twin, outs):
+            assert np.array_equal(a, b)
+
+    both({"x": 8, "y": 4, "z": 10})
+    m = driver.m
+    assert m.host_pool is not None
+    m.preempt("x", "swap")
+    m.preempt("y", "swap")
+    m.free("x")
+    twin.m.free("x")
+    assert m.host_pool.allocator.free_block_ids() == [3, 1, 0]
+    m.preempt("z", "swap")
+    assert m.block_table("z").block_ids == [3, 1, 0]  # host ids, out of order
+    assert m.resume("z") == 10
+    m.check_invariants()
+    for _ in range(3):
+        both({"z": 1})
+    assert m.metrics().num_swaps_in == 1
+
+
 # ------------------------------------------------------ padded vs loop, GQA
 
 

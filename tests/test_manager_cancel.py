@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.managers import make_manager, settle
+from support.managers import make_manager, manager_state, settle
+from support.prefix import Runner, key_chain, make, prefix_of
 
 from pagedkv import KVCacheManager, SequenceStateError, UnknownSequenceError
 from pagedkv.reference import attend_window
@@ -67,3 +68,34 @@ def test_cancel_refuses_unknown_and_preempted_sequences_and_changes_nothing() ->
         m.cancel_reservation("a")
     assert m.pool.num_free_blocks == free
     m.check_invariants()
+
+
+def test_cancel_with_prefix_caching_keys_nothing_it_took_back() -> None:
+    # block_size 2, two layers, prefix caching on. a wrote |1 2|3 .| in both
+    # layers: b0 is keyed (k0), b1 partial.
+    #   a: b0 |1 2| b1 |3 .|         keys: k0 -> b0       free [2 .. 7]
+    # a reserves 4 5 6 (b1 |3 4|, b2 |5 6| full), layer 0 writes them, then
+    # the step is cancelled: a is back to its 3 tokens, b2 is free again (at
+    # the tail), and neither |3 4| nor |5 6| has a key, for layer 1 never
+    # wrote them.
+    runner = Runner(make(num_layers=2))
+    manager = runner.manager
+    runner.admit("a", [1, 2, 3])
+    before = manager_state(manager, pages=False)
+    runner.feed({"a": [4, 5, 6]}, layers=[0])
+    manager.cancel_reservation("a")
+    runner.history["a"] = [1, 2, 3]
+    manager.check_invariants()
+    #   a: b0 |1 2| b1 |3 .|         keys: k0 -> b0       free [3 .. 7, 2]
+    after = manager_state(manager, pages=False)
+    (free, *device), (free_before, *device_before) = after[0], before[0]
+    assert (free, free_before) == ([3, 4, 5, 6, 7, 2], [2, 3, 4, 5, 6, 7])
+    assert device == device_before  # cached free queue, ref counts
+    assert after[1:] == before[1:]  # host pool, tables, keys, metrics
+    assert [prefix_of(manager).block_for(key) for key in key_chain([1, 2, 3, 4, 5, 6])] == [0, None, None]
+    # a carries on with other tokens: |3 7| is written in both layers and keyed.
+    runner.feed({"a": [7, 8]})
+    assert prefix_of(manager).block_for(key_chain([1, 2, 3, 7])[1]) == manager.block_table("a").block_ids[1]
+    # The prompt that was cancelled hits only what every layer wrote: |1 2|.
+    assert runner.admit("b", [1, 2, 3, 4, 5, 6, 9]) == 2
+    assert manager.block_table("b").block_ids[0] == 0

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from support.managers import make_manager
-from support.prefix import SHA256, Runner, key_chain, kv_of, make, prefix_of
+from support.prefix import SHA256, Runner, from_scratch, key_chain, kv_of, make, prefix_of
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
@@ -191,11 +191,17 @@ def test_plain_free_blocks_go_first_then_cached_ones_least_recently_freed_first(
     allocator.check_invariants()
 
 
-def test_a_revived_block_goes_to_the_back_of_the_lru_when_freed_again() -> None:
-    allocator = BlockAllocator(2)
+def keyed(num_blocks: int, *keys: bytes) -> tuple[BlockAllocator, PrefixCache]:
+    """A prefix cache on a fresh allocator whose first ``len(keys)`` blocks are in use, keyed ``keys``."""
+    allocator = BlockAllocator(num_blocks)
     cache = PrefixCache(allocator)
-    for block_id, key in zip(allocator.allocate(2), (b"k0", b"k1")):
+    for block_id, key in zip(allocator.allocate(len(keys)), keys):
         cache.register(block_id, key)
+    return allocator, cache
+
+
+def test_a_revived_block_goes_to_the_back_of_the_lru_when_freed_again() -> None:
+    allocator, cache = keyed(2, b"k0", b"k1")
     allocator.free([0, 1])
     # cached free [0, 1]
     allocator.revive(0)
@@ -221,10 +227,7 @@ def test_evicting_never_touches_a_block_in_use() -> None:
 
 
 def test_reset_turns_every_cached_free_block_into_a_plain_one() -> None:
-    allocator = BlockAllocator(3)
-    cache = PrefixCache(allocator)
-    for block_id, key in zip(allocator.allocate(2), (b"k0", b"k1")):
-        cache.register(block_id, key)
+    allocator, cache = keyed(3, b"k0", b"k1")
     allocator.free([1, 0])
     cache.reset()
     # free [2, 0, 1]   cached free []   (the keyed blocks join the tail, in the order they were keyed)
@@ -233,6 +236,16 @@ def test_reset_turns_every_cached_free_block_into_a_plain_one() -> None:
     assert cache.num_cached_blocks == 0
     cache.check_invariants()
     allocator.check_invariants()
+
+
+def test_the_longest_prefix_stops_at_a_missing_block_and_never_skips_it() -> None:
+    # keys k0 k1 k2 of |1 2|3 4|5 6|; k1's block is gone, k0 and k2 are cached:
+    #   k0 -> b0    k1 -> ?    k2 -> b1
+    k0, k1, k2 = key_chain([1, 2, 3, 4, 5, 6])
+    _, cache = keyed(2, k0, k2)
+    assert cache.longest_prefix([k0, k1, k2]) == [0]
+    assert cache.longest_prefix([k1, k2]) == []
+    assert cache.longest_prefix([k0]) == [0]
 
 
 def test_check_invariants_sees_a_key_on_the_wrong_block() -> None:
@@ -490,9 +503,42 @@ def test_reset_without_prefix_caching_is_a_config_error() -> None:
 
 def test_two_managers_cannot_both_run_prefix_caching_on_one_pool() -> None:
     pool = KVPool(4, block_size=2, head_dim=1)
-    KVCacheManager(pool, enable_prefix_caching=True)
-    with pytest.raises(ConfigError, match="another manager"):
+    first = KVCacheManager(pool, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="another prefix cache"):
         KVCacheManager(pool, enable_prefix_caching=True)
+    assert first.prefix_caching
+
+
+def test_a_second_prefix_cache_on_one_allocator_is_refused() -> None:
+    # Before: the second silently took over on_evict, and the first's next
+    # eviction raised KeyError past the point of no return.
+    allocator = BlockAllocator(4)
+    first = PrefixCache(allocator)
+    with pytest.raises(ConfigError, match="another prefix cache"):
+        PrefixCache(allocator)
+    block_id = allocator.allocate_one()
+    assert first.register(block_id, b"k")
+    allocator.free_one(block_id)
+    allocator.allocate(4)  # evicts the cached block through the first cache, which drops its key
+    assert first.block_for(b"k") is None
+    first.check_invariants()
+
+
+def test_a_manager_dropped_without_free_gives_its_blocks_back_and_its_prefix_cache_stops() -> None:
+    import gc
+
+    pool = KVPool(6, block_size=2, head_dim=1)
+    manager = KVCacheManager(pool, enable_prefix_caching=True)
+    manager.add_sequence("a", [1, 2, 3, 4, 5])
+    batch = manager.reserve({"a": [1, 2, 3, 4, 5]})
+    manager.write(0, batch, np.ones((5, 1, 1)), np.ones((5, 1, 1)))
+    assert pool.num_free_blocks == 3
+    del manager, batch
+    gc.collect()
+    assert pool.num_free_blocks == 6 and pool.allocator.num_cached_free_blocks == 0
+    again = KVCacheManager(pool, enable_prefix_caching=True)  # before: refused forever
+    assert again.add_sequence("b", [1, 2, 3, 4, 5]) == 0
+    again.check_invariants()
 
 
 def test_a_recompute_preempted_sequence_reuses_its_own_cached_blocks() -> None:
@@ -509,6 +555,30 @@ def test_a_recompute_preempted_sequence_reuses_its_own_cached_blocks() -> None:
     scratch.add("a", [])
     scratch.feed({"a": [1, 2, 3, 4]})
     assert all(np.array_equal(x, y) for x, y in zip(out, scratch.feed({"a": [5]})))
+
+
+def test_admission_stops_at_a_middle_block_evicted_from_the_chain() -> None:
+    # block_size 2, sinks 2 (block 0 pinned), window 2, 6 blocks. After a's
+    # prompt the window has let go of b1 (cached free, still keyed):
+    #   a: b0 |1 2| (sink)  b1 |3 4| (released)  b2 |5 6|  b3 |7 .|
+    #   keys k0 -> b0, k1 -> b1, k2 -> b2     free [4, 5]   cached free [1]
+    # fill takes b4, b5, then evicts b1: k1 is gone while k0 and k2 stay.
+    # b's prompt |1 2|3 4|5 6|7 8 may use only k0: the lookup stops at the gap.
+    runner = Runner(make(num_blocks=6, max_size=2, num_sink_tokens=2))
+    manager = runner.manager
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    runner.add("a", [])
+    for token_id in prompt:
+        runner.feed({"a": [token_id]})
+    assert manager.pool.allocator.cached_free_block_ids() == [1]
+    runner.admit("fill", [9] * 6)
+    keys = key_chain(prompt)
+    assert [prefix_of(manager).block_for(key) for key in keys] == [0, None, 2]
+    manager.free("fill")
+    assert runner.add("b", [*prompt, 8]) == 2
+    outs = runner.feed({"b": [3, 4, 5, 6, 7, 8]})
+    expected = from_scratch([*prompt, 8], [2, 6], max_size=2, num_sink_tokens=2)
+    assert all(np.array_equal(x, y) for x, y in zip(outs, expected))
 
 
 # ------------------------------------------------- outputs equal from scratch

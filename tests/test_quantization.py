@@ -136,6 +136,19 @@ def test_group_size_is_the_largest_divisor_of_head_dim_up_to_32(head_dim: int, g
     assert storage_format("int8", head_dim).group_size == group_size
 
 
+def test_the_int8_largest_magnitude_of_a_group_counts_its_negative_codes() -> None:
+    # One group of head_dim 2: [-8, 0.5] -> s = 8/127, codes [-127, 8]. The
+    # largest |key| (8) is held by a negative code; the bound the snapshot check
+    # reads (group_max_abs) must see it, not the largest positive code (0.5).
+    storage = storage_format("int8", 2)
+    codes, scales = storage.quantize(np.array([[-8.0, 0.5]]))
+    assert codes.tolist() == [[-127, 8]]
+    largest = storage.group_max_abs(codes, scales, np.dtype(np.float64))
+    dequantized = storage.dequantize(codes, scales, np.float64)
+    assert largest.tolist() == [[np.abs(dequantized).max()]]
+    assert largest[0, 0] == pytest.approx(8.0)
+
+
 def test_fp8_never_produces_nan_for_large_values() -> None:
     x = np.array([[1e30, -1e30, 3.0, 448.0]])
     out = roundtrip(x, "float8_e4m3")

@@ -371,6 +371,48 @@ def test_saving_replaces_the_file_atomically_and_leaves_no_temporary(tmp_path: A
     assert isinstance(loaded, KVCache) and len(loaded) == 2
 
 
+def _fail(*args: Any, **kwargs: Any) -> None:
+    raise OSError(28, "injected fault: no space left on device")
+
+
+def _write_half_then_fail(tensors: Any, filename: str, metadata: Any = None) -> None:
+    """A ``safetensors.numpy.save_file`` that dies half-way: half the file's bytes, then an error."""
+    import safetensors.numpy
+
+    data = safetensors.numpy.save(tensors, metadata=metadata)
+    with open(filename, "wb") as out:
+        out.write(data[: len(data) // 2])
+    _fail()
+
+
+#: Ways a save can fail after it started writing; each is patched in for one save.
+SAVE_FAULTS: dict[str, Any] = {
+    "the writer stops half-way": lambda mp: mp.setattr("safetensors.numpy.save_file", _write_half_then_fail),
+    "fsync fails": lambda mp: mp.setattr(os, "fsync", _fail),
+    "the rename fails": lambda mp: mp.setattr(os, "replace", _fail),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(SAVE_FAULTS))
+def test_a_save_that_fails_mid_write_leaves_the_old_file_byte_for_byte(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    path = tmp_path / "c.safetensors"
+    cache = KVCache(block_size=2)
+    cache.attend([1.0], [1.0], [1.0])
+    snapshot.save(cache, str(path))
+    before = path.read_bytes()
+    cache.attend([1.0], [2.0], [2.0])  # the next save writes other bytes
+    with monkeypatch.context() as patched:
+        SAVE_FAULTS[fault](patched)
+        with pytest.raises(OSError, match="injected fault"):
+            snapshot.save(cache, str(path))
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["c.safetensors"]  # no temporary file left beside it
+    loaded = snapshot.load(str(path))
+    assert isinstance(loaded, KVCache) and len(loaded) == 1
+
+
 # ================================================================= corruption
 
 
@@ -494,6 +536,21 @@ EDITS = {
     "an unknown kind": (lambda s: s.update(kind="Pickle"), "kind"),
     "a swapped sequence without its host pool": (lambda s: s["pools"].pop("host"), "host"),
 }
+
+
+def test_a_recorded_largest_key_below_a_negative_int8_key_is_refused(tmp_path: Any) -> None:
+    # int8 keys, one group [-8, 0.5]: codes [-127, 8]. The pages' largest |key|
+    # (8) is a negative code; a recorded bound of 1.0 is above every positive
+    # key (0.5) but below it, so the load must refuse it.
+    manager = make_manager(4, block_size=2, head_dim=2, key_dtype="int8")
+    manager.add_sequence("a")
+    batch = manager.reserve({"a": 1})
+    manager.write(0, batch, np.array([[[-8.0, 0.5]]]), np.ones((1, 1, 2)))
+    path = str(tmp_path / "negative.safetensors")
+    snapshot.save(manager, path)
+    assert isinstance(snapshot.load(path), KVCacheManager)  # as saved, it loads
+    lowered = resigned((path, b""), str(tmp_path), lambda s: s["manager"].update(max_abs_key=[1.0]))
+    load_refused(lowered, "holds keys up to 8 but the snapshot records a largest")
 
 
 @pytest.mark.parametrize("what", sorted(EDITS))

@@ -4,7 +4,7 @@
 ``prepend`` import mode: ``tests/`` has no ``__init__.py``), so test modules
 import these as ``from support.managers import make_manager``.
 
-* :mod:`support.managers`: one pool shape, one ``make_manager``, ``settle``,
+* :mod:`support.managers`: one pool shape (``POOL_SHAPE``), one ``make_manager``, ``settle``,
   ``ceil_div`` and the "nothing changed" state of a manager;
 * :mod:`support.windows`: which earlier tokens a token sees (the oracle's rule);
 * :mod:`support.prefix`: k/v that are a function of the whole prefix, and a

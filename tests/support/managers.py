@@ -24,59 +24,27 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pool_shape(
-    *,
-    block_size: int = 4,
-    num_kv_heads: int = 1,
-    head_dim: int = 1,
-    num_layers: int = 1,
-    dtype: Any = np.float64,
-    key_dtype: str | None = None,
-    value_dtype: str | None = None,
-) -> dict[str, Any]:
-    """The ``KVPool`` keyword arguments (everything but ``num_blocks``) of a test pool.
-
-    The device pool and the host pool of a manager must have the same shape, so
-    both are built from one of these.
-    """
-    return {
-        "block_size": block_size,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "num_layers": num_layers,
-        "dtype": dtype,
-        "key_dtype": key_dtype,
-        "value_dtype": value_dtype,
-    }
+#: The ``KVPool`` keyword arguments (all but ``num_blocks``) of a test pool, unless a test says otherwise.
+#: The device pool and the host pool of a manager always share them.
+POOL_SHAPE: dict[str, Any] = {
+    "block_size": 4,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "num_layers": 1,
+    "dtype": np.float64,
+    "key_dtype": None,
+    "value_dtype": None,
+}
 
 
-def make_manager(
-    num_blocks: int = 8,
-    *,
-    host_blocks: int = 0,
-    block_size: int = 4,
-    num_kv_heads: int = 1,
-    head_dim: int = 1,
-    num_layers: int = 1,
-    dtype: Any = np.float64,
-    key_dtype: str | None = None,
-    value_dtype: str | None = None,
-    **options: Any,
-) -> KVCacheManager:
+def make_manager(num_blocks: int = 8, *, host_blocks: int = 0, **options: Any) -> KVCacheManager:
     """A manager over a fresh pool of ``num_blocks`` (and a host pool of ``host_blocks``, if any).
 
-    ``options`` go to ``KVCacheManager`` as they are (``max_size``,
-    ``num_q_heads``, ``enable_prefix_caching``, ...).
+    ``options`` named in ``POOL_SHAPE`` shape both pools; the rest go to
+    ``KVCacheManager`` as they are (``max_size``, ``num_q_heads``,
+    ``enable_prefix_caching``, ...).
     """
-    shape = pool_shape(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_layers=num_layers,
-        dtype=dtype,
-        key_dtype=key_dtype,
-        value_dtype=value_dtype,
-    )
+    shape = {name: options.pop(name, default) for name, default in POOL_SHAPE.items()}
     host_pool = KVPool(host_blocks, **shape) if host_blocks else None
     return KVCacheManager(KVPool(num_blocks, **shape), host_pool=host_pool, **options)
 
@@ -91,13 +59,14 @@ def settle(manager: KVCacheManager, request: Mapping[Any, int], value: float = 1
     return batch
 
 
-def pool_state(pool: KVPool | None) -> Any:
-    """Everything observable about a pool: both free queues in order, ref counts, every byte."""
+def pool_state(pool: KVPool | None, *, pages: bool = True) -> Any:
+    """Everything observable about a pool: both free queues in order, ref counts, and (with
+    ``pages``) every stored byte."""
     if pool is None:
         return None
     allocator = pool.allocator
     stored = []
-    for layer in range(pool.num_layers):
+    for layer in range(pool.num_layers if pages else 0):
         stored.append(pool.keys(layer).tobytes() + pool.values(layer).tobytes())
         if pool.key_dtype is not None:
             stored.append(pool.key_scales(layer).tobytes())
@@ -111,12 +80,12 @@ def pool_state(pool: KVPool | None) -> Any:
     )
 
 
-def manager_state(manager: KVCacheManager) -> Any:
+def manager_state(manager: KVCacheManager, *, pages: bool = True) -> Any:
     """Everything observable about a manager, for "a refused call changed nothing" checks.
 
-    Both pools (``pool_state``), every sequence's state, block table, token
-    count and window start, the prefix cache's key of every block, and the
-    metrics.
+    Both pools (``pool_state``; ``pages=False`` leaves the stored bytes out),
+    every sequence's state, block table, token count and window start, the
+    prefix cache's key of every block, and the metrics.
     """
     tables = []
     for seq_id in manager.seq_ids:
@@ -124,4 +93,5 @@ def manager_state(manager: KVCacheManager) -> Any:
         tables.append((seq_id, manager.state(seq_id), table.block_ids, table.num_tokens, table.window_start))
     prefix = manager.prefix_cache
     keys = None if prefix is None else [prefix.key_of(i) for i in range(manager.pool.num_blocks)]
-    return pool_state(manager.pool), pool_state(manager.host_pool), tables, keys, manager.metrics()
+    pools = pool_state(manager.pool, pages=pages), pool_state(manager.host_pool, pages=pages)
+    return (*pools, tables, keys, manager.metrics())
