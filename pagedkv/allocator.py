@@ -17,10 +17,15 @@ from pagedkv.errors import (
     ConfigError,
     DoubleFreeError,
     PoolExhaustedError,
+    PoolTooLargeError,
     UnknownBlockError,
 )
 
-__all__ = ["AllocatorState", "BlockAllocator"]
+__all__ = ["BOOKKEEPING_BYTES_PER_BLOCK", "AllocatorState", "BlockAllocator"]
+
+#: Bytes of Python bookkeeping one block costs a fresh allocator: a ref count
+#: slot and a queue slot (8-byte pointers to small cached ints).
+BOOKKEEPING_BYTES_PER_BLOCK = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +105,17 @@ class BlockAllocator:
         """
         num_blocks = check_count("num_blocks", num_blocks)
         self._num_blocks = num_blocks
-        self._ref_counts: list[int] = [0] * num_blocks
-        # The plain free ids are _queue[_head:], oldest (next to hand out) first.
-        self._queue: list[int] = list(range(num_blocks))
+        try:
+            self._ref_counts: list[int] = [0] * num_blocks
+            # The plain free ids are _queue[_head:], oldest (next to hand out) first.
+            self._queue: list[int] = list(range(num_blocks))
+        except (MemoryError, OverflowError):
+            wanted = num_blocks * BOOKKEEPING_BYTES_PER_BLOCK
+            raise PoolTooLargeError(
+                f"an allocator of {num_blocks:,} blocks wants about {wanted:,} bytes of bookkeeping "
+                "(two Python lists); give it fewer blocks",
+                wanted,
+            ) from None
         self._head = 0
         #: Blocks marked cached by the prefix cache, used or free.
         self._cached: set[int] = set()

@@ -39,7 +39,10 @@ class Batch:
             (``block_id * block_size + offset``), vLLM's slot mapping.
         reservation_ids: the manager's stamp per sequence; a batch whose stamp
             no longer matches (the sequence was freed, preempted or reserved
-            again) is refused.
+            again) is refused, and so is any batch but the very object
+            ``reserve`` returned (a copy, or one built by hand).
+
+    The arrays are read-only.
     """
 
     seq_ids: tuple[Hashable, ...]
@@ -48,6 +51,19 @@ class Batch:
     query_start: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
     reservation_ids: tuple[int, ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: read-only views of read-only arrays: neither the view's nor its
+        # base's flags can be turned writable again, so the slots the manager
+        # handed out cannot be edited in place (they would aim another
+        # sequence's keys and values).
+        for name in ("query_start", "slot_mapping"):
+            array = np.asarray(getattr(self, name))
+            if array.flags.writeable:
+                array.flags.writeable = False
+            view = array.view()
+            view.flags.writeable = False
+            object.__setattr__(self, name, view)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +93,11 @@ def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecor
                 f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
                 "freed, preempted or reserved again); reserve again (cancel_reservation() "
                 "takes back the other sequences' unwritten tokens)"
+            )
+        if record.batch is not batch:
+            raise SequenceStateError(
+                f"this batch is not the one reserve() returned for sequence {seq_id!r} (a copy or a "
+                "batch built by hand); write and attend take only the manager's own batch"
             )
         found.append(record)
     return found

@@ -68,6 +68,11 @@ class KVCache:
     shared pool passed as ``pool`` (a fixed size, shared with other caches) or a
     private pool created at the first ``attend`` that grows geometrically.
 
+    Threads: caches on one shared pool may each be used from a thread of its
+    own; one cache used from two threads at once is the caller's to serialise.
+    A shared pool must be fixed (``growable=False``): a private pool belongs to
+    one cache, which moves its blocks.
+
     Invariants:
         * ``len(cache) == min(entries appended, max_size)`` (or all appended
           entries when ``max_size`` is None);
@@ -338,22 +343,22 @@ class KVCache:
 
         Raises:
             PoolExhaustedError: a shared pool has no free block; nothing changes.
+            PoolTooLargeError: a private pool cannot be made or grown; nothing changes.
         """
         table = self._table
         window_start = table.window_start
         if self._max_size is not None:
             window_start = table.num_tokens + 1 - self._max_size
         num_new = table.num_new_blocks(1)
-        if num_new and not self._private:
-            assert self._pool is not None
-            num_free = self._pool.num_free_blocks + table.num_blocks_released_by(window_start)
-            if num_free < 1:
-                raise PoolExhaustedError(1, 0, self._pool.num_blocks)
-        # ---- validated: from here on nothing can fail ----
         if self._pool is None:
-            self._create_private_pool(key.shape)
+            self._create_private_pool(key.shape)  # PoolTooLargeError leaves the cache without one
         pool = self._pool
         assert pool is not None
+        if num_new and pool.num_free_blocks + table.num_blocks_released_by(window_start) < 1:
+            if not self._private:
+                raise PoolExhaustedError(1, 0, pool.num_blocks)
+            pool.grow(pool.num_blocks)  # PoolTooLargeError changes nothing
+        # ---- validated: from here on nothing can fail ----
         if self._kv_shape is None:
             self._kv_shape = key.shape
         self._max_abs_key = max(self._max_abs_key, key_abs)
@@ -420,8 +425,6 @@ class KVCache:
         if not self._private:
             return pool.allocator.allocate_one()
         table = self._table
-        if pool.allocator.num_free_blocks == 0:
-            pool.grow(pool.num_blocks)
         if table.num_window_blocks and (
             not table.is_one_run
             or pool.allocator.next_free_block_id() != table.last_block_id + 1

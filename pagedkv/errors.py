@@ -24,6 +24,7 @@ __all__ = [
     "NonFiniteError",
     "PagedKVError",
     "PoolExhaustedError",
+    "PoolTooLargeError",
     "SequenceStateError",
     "ShapeError",
     "SnapshotError",
@@ -74,6 +75,18 @@ class PoolExhaustedError(PagedKVError, MemoryError):
 
 class BlockStateError(PagedKVError, RuntimeError):
     """A block is in the wrong state for the operation: sharing a free block, reviving an uncached one."""
+
+
+class PoolTooLargeError(PagedKVError, MemoryError):
+    """A pool (or a growth of one) is too large to allocate; the message says how many bytes it wanted.
+
+    Attributes:
+        num_bytes: the bytes the pool's arrays and bookkeeping would take.
+    """
+
+    def __init__(self, message: str, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        super().__init__(message)
 
 
 class DoubleFreeError(BlockStateError):

@@ -43,8 +43,15 @@ def as_vectors(
     (array([1. , 2.5]), True)
     """
     came_as_list = isinstance(value, (list, tuple))
+    if isinstance(value, np.ma.MaskedArray):
+        # NOTE: a mask hides entries from every check below (NaN included),
+        # and storing the data would store what the mask hid.
+        raise InputTypeError(
+            f"{name} is a masked array; its mask would be lost in the cache: pass plain values "
+            f"(np.ma.filled({name}, fill_value) or {name}.data)"
+        )
     if isinstance(value, np.ndarray):
-        array = value
+        array = value if type(value) is np.ndarray else np.asarray(value)
     elif came_as_list:
         try:
             array = np.asarray(value)

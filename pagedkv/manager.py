@@ -528,6 +528,7 @@ class KVCacheManager:
                 swap_out(seq, self.pool, host)
             self._counters["swaps_out"] += 1
         seq.reservation_id = 0
+        seq.batch = None
         self._counters["preemptions"] += 1
 
     @_locked

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import BlockAllocator
+from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
 from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.inputs import check_dtype
 from pagedkv.quantization import (
     QuantizedTokens,
@@ -63,6 +63,10 @@ class KVPool:
 
     Every layer's storage is indexed by the same block ids (as in vLLM): a
     sequence's one block table serves all layers.
+
+    Threads: caches and sequences on one pool may run in different threads;
+    their commands hold ``lock`` and each thread gathers into scratch of its
+    own (see "Concurrency" in docs/design.md).
 
     Invariants:
         * the allocator's invariants hold;
@@ -108,6 +112,8 @@ class KVPool:
         Raises:
             ConfigError, InputTypeError: a size is not a positive int, or the
                 dtype is not float32/float64, or a storage dtype is unknown.
+            PoolTooLargeError: the arrays cannot be allocated (a ``MemoryError``
+                naming the bytes wanted).
             ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
         """
         self.block_size = check_count("block_size", block_size)
@@ -124,16 +130,25 @@ class KVPool:
         self._value_format = storage_format(self.value_dtype, self.head_dim) if self.value_dtype else None
         #: Whether keys or values are quantized (attention then runs the chunked kernel).
         self.quantized = self._key_format is not None or self._value_format is not None
-        self.allocator = BlockAllocator(num_blocks)
-        shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
-        # np.zeros maps fresh zero pages lazily: untouched blocks cost no memory.
-        key_store = self._key_format.code_dtype if self._key_format else self.dtype
-        value_store = self._value_format.code_dtype if self._value_format else self.dtype
-        self._keys = [np.zeros(shape, key_store) for _ in range(self.num_layers)]
-        self._values = [np.zeros(shape, value_store) for _ in range(self.num_layers)]
-        # Scales (num_kv_heads, num_blocks, block_size, num_groups) per quantized side and layer.
-        self._key_scales = self._new_scales(self._key_format, num_blocks)
-        self._value_scales = self._new_scales(self._value_format, num_blocks)
+        wanted = num_blocks * (self.bytes_per_block + BOOKKEEPING_BYTES_PER_BLOCK)
+        try:
+            self.allocator = BlockAllocator(num_blocks)
+            shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+            # np.zeros maps fresh zero pages lazily: untouched blocks cost no memory.
+            key_store = self._key_format.code_dtype if self._key_format else self.dtype
+            value_store = self._value_format.code_dtype if self._value_format else self.dtype
+            self._keys = [np.zeros(shape, key_store) for _ in range(self.num_layers)]
+            self._values = [np.zeros(shape, value_store) for _ in range(self.num_layers)]
+            # Scales (num_kv_heads, num_blocks, block_size, num_groups) per quantized side and layer.
+            self._key_scales = self._new_scales(self._key_format, num_blocks)
+            self._value_scales = self._new_scales(self._value_format, num_blocks)
+        except (MemoryError, ValueError, OverflowError):  # numpy: "array is too big" is a ValueError
+            raise PoolTooLargeError(
+                f"a pool of {num_blocks:,} blocks of {self.block_size:,} tokens "
+                f"({self.bytes_per_token:,} bytes a token) wants {wanted:,} bytes; "
+                "give it fewer or smaller blocks",
+                wanted,
+            ) from None
         # NOTE: one scratch pair per thread, so caches (or sequences) used from
         # different threads never overwrite each other's gathered keys.
         self._scratch = threading.local()
@@ -346,17 +361,27 @@ class KVPool:
 
         Raises:
             ConfigError: the pool is fixed (``growable=False``).
+            InputTypeError, ConfigError: ``num_new_blocks`` is not an int >= 1.
+            PoolTooLargeError: the bigger arrays cannot be allocated; nothing changes.
         """
         if not self.growable:
             raise ConfigError(f"this pool has a fixed size of {self.num_blocks} blocks; it never grows")
+        num_new_blocks = check_count("num_new_blocks", num_new_blocks)
         old = self.num_blocks
-        self.allocator.grow(num_new_blocks)
         shape = (self.num_kv_heads, old + num_new_blocks, self.block_size, self.head_dim)
-        for arrays in (self._keys, self._values, self._key_scales, self._value_scales):
-            for layer, array in enumerate(arrays):
-                bigger = np.zeros((*shape[:3], array.shape[3]), array.dtype)  # scales: last dim num_groups
-                bigger[:, :old] = array
-                arrays[layer] = bigger
+        groups = (self._keys, self._values, self._key_scales, self._value_scales)
+        try:  # every new array first, so a failure changes nothing
+            bigger = [[np.zeros((*shape[:3], a.shape[3]), a.dtype) for a in arrays] for arrays in groups]
+        except (MemoryError, ValueError, OverflowError):
+            wanted = (old + num_new_blocks) * (self.bytes_per_block + BOOKKEEPING_BYTES_PER_BLOCK)
+            raise PoolTooLargeError(
+                f"growing the pool to {old + num_new_blocks:,} blocks wants {wanted:,} bytes", wanted
+            ) from None
+        self.allocator.grow(num_new_blocks)
+        for arrays, new_arrays in zip(groups, bigger):
+            for layer, (array, new_array) in enumerate(zip(arrays, new_arrays)):
+                new_array[:, :old] = array  # scales: last dim num_groups, not head_dim
+                arrays[layer] = new_array
 
     def attach(self, holder: BlockHolder) -> None:
         """Register a :class:`BlockHolder` so ``check_invariants`` counts its blocks.

@@ -269,7 +269,7 @@ def commit_reservation(
         record.reservation_id = stamp = next(_RESERVATION_IDS)
         stamps.append(stamp)
     counts = [request.num_new_tokens for request in requests]
-    return Batch(
+    batch = Batch(
         seq_ids=tuple(request.seq_id for request in requests),
         num_new_tokens=tuple(counts),
         first_positions=tuple(first_positions),
@@ -277,3 +277,6 @@ def commit_reservation(
         slot_mapping=np.array(slots, np.int64),
         reservation_ids=tuple(stamps),
     )
+    for record in records:
+        record.batch = batch
+    return batch

@@ -94,6 +94,7 @@ class SequenceRecord:
     """
 
     __slots__ = (
+        "batch",
         "block_keys",
         "extras",
         "num_written",
@@ -110,8 +111,10 @@ class SequenceRecord:
         self.state = SequenceState.RUNNING
         #: Tokens whose k/v are written, per layer.
         self.num_written = [0] * num_layers
-        #: The stamp of the newest reservation (0: none outstanding).
+        #: The stamp of the newest reservation (0: none outstanding) and the
+        #: batch object it returned (write and attend accept only that one).
         self.reservation_id = 0
+        self.batch: Any = None
         #: Prefix caching: every token id so far (None: keying is off for this
         #: sequence), the chained key of each full logical block from 0, and
         #: the encoded extra keys (salt, adapter, multimodal).
@@ -145,6 +148,7 @@ class SequenceRecord:
         if self.token_ids is not None:
             del self.token_ids[keep:]
         self.reservation_id = 0
+        self.batch = None
         return released
 
     def check_invariants(self, *, keyed: bool) -> None:
