@@ -143,7 +143,7 @@ def test_a_cache_refuses_another_caches_private_pool_and_nothing_changes() -> No
     private = owner.pool
     assert private is not None and private.growable
     free_before = private.allocator.free_block_ids()
-    with pytest.raises(ConfigError, match="pool is growable.*KVPool\\(num_blocks"):
+    with pytest.raises(ConfigError, match=r"pool is growable.*KVPool\(num_blocks"):
         KVCache(pool=private)
     assert private.allocator.free_block_ids() == free_before
     owner.check_invariants()
@@ -209,11 +209,11 @@ def test_write_and_attend_refuse_a_batch_that_reserve_did_not_return() -> None:
     b_slots = np.array([manager.block_table("b").slot(0)], np.int64)
     forged = dataclasses.replace(batch, slot_mapping=b_slots)
     b_keys_before = manager.pool.keys(0).copy()
-    with pytest.raises(SequenceStateError, match="not the one reserve\\(\\) returned"):
+    with pytest.raises(SequenceStateError, match=r"not the one reserve\(\) returned"):
         manager.write(0, forged, np.zeros((1, 1, 1)), np.zeros((1, 1, 1)))
     assert np.array_equal(manager.pool.keys(0), b_keys_before)
     manager.write(0, batch, np.zeros((1, 1, 1)), np.zeros((1, 1, 1)))
-    with pytest.raises(SequenceStateError, match="not the one reserve\\(\\) returned"):
+    with pytest.raises(SequenceStateError, match=r"not the one reserve\(\) returned"):
         manager.attend(0, forged, np.zeros((1, 1, 1)))
     manager.check_invariants()
 
@@ -233,7 +233,7 @@ def test_write_and_attend_refuse_a_batch_that_reserve_did_not_return() -> None:
     ],
 )
 def test_a_pool_too_large_to_allocate_says_how_many_bytes_it_wanted(kwargs: dict[str, int]) -> None:
-    with pytest.raises(PoolTooLargeError, match="wants [0-9,]+ bytes") as info:
+    with pytest.raises(PoolTooLargeError, match=r"wants [0-9,]+ bytes") as info:
         KVPool(**kwargs)
     assert isinstance(info.value, MemoryError) and info.value.num_bytes > 10**12
 
