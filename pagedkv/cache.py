@@ -29,6 +29,7 @@ from pagedkv.errors import (
     ShapeError,
 )
 from pagedkv.inputs import as_vectors, check_dtype, check_scale, check_score_bound
+from pagedkv.locking import release_cache
 from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.quantization import check_storage_dtype, storage_format
@@ -53,12 +54,6 @@ class CacheState:
     max_abs_key: float
     kv_shape: tuple[int, ...] | None
     table: TableState
-
-
-def _release(pool: KVPool, table: BlockTable) -> None:
-    """Give a dropped cache's blocks back to its shared pool (a finalizer; any thread, any time)."""
-    block_ids = table.clear()
-    pool.run_or_defer(lambda: pool.allocator.free(block_ids))
 
 
 class KVCache:
@@ -374,7 +369,7 @@ class KVCache:
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)
         if not self._private:
-            self._finalizer = weakref.finalize(self, _release, pool, self._table)
+            self._finalizer = weakref.finalize(self, _finalize, pool, self._table)
 
     def _check_shapes(
         self, query: npt.NDArray[Any], key: npt.NDArray[Any], value: npt.NDArray[Any]
@@ -476,3 +471,8 @@ class KVCache:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"len={len(self)}, num_blocks={self.num_blocks}"
         return f"KVCache(max_size={self._max_size}, block_size={self._block_size}, {state})"
+
+
+def _finalize(pool: KVPool, table: BlockTable) -> None:
+    """Give a dropped cache's blocks back to its shared pool (any thread, any time)."""
+    release_cache(pool, table.clear())

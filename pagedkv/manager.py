@@ -24,10 +24,9 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +41,7 @@ from pagedkv.errors import (
     SequenceStateError,
 )
 from pagedkv.inputs import as_tokens, check_score_bound
+from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
 from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
 from pagedkv.paged_attention import attend_batch
@@ -69,46 +69,6 @@ from pagedkv.swap import check_host_pool, swap_in, swap_out
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _locked(
-    method: Callable[Concatenate[KVCacheManager, _P], _R],
-) -> Callable[Concatenate[KVCacheManager, _P], _R]:
-    """Run a manager command under its pool's lock (see "Concurrency" in docs/design.md)."""
-
-    def locked(self: KVCacheManager, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self.pool.lock:
-            return method(self, *args, **kwargs)
-
-    functools.update_wrapper(locked, method)
-    return locked
-
-
-def _release_all(
-    pool: KVPool, host_pool: KVPool | None, records: SequenceRegistry, sharing: PrefixSharing | None
-) -> None:
-    """Give a dropped manager's blocks back and close its prefix cache (a finalizer)."""
-    device: list[int] = []
-    host: list[int] = []
-    for record in records.values():
-        if record.state is SequenceState.RUNNING:
-            device.extend(record.table.clear())
-        elif record.state is SequenceState.SWAPPED:
-            host.extend(record.table.clear())
-    records.clear()
-
-    def give_back() -> None:
-        pool.allocator.free(device)
-        if sharing is not None:
-            sharing.cache.close()
-
-    pool.run_or_defer(give_back)
-    if host_pool is not None and host:
-        host_pool.run_or_defer(lambda: host_pool.allocator.free(host))
 
 
 class KVCacheManager:
@@ -208,7 +168,7 @@ class KVCacheManager:
         pool.attach(self._holders[0])
         if host_pool is not None:
             host_pool.attach(self._holders[1])
-        weakref.finalize(self, _release_all, pool, self.host_pool, self._seqs, self._sharing)
+        weakref.finalize(self, release_manager, pool, self.host_pool, self._seqs, self._sharing)
 
     # ---------------------------------------------------------------- queries
 
@@ -258,7 +218,7 @@ class KVCacheManager:
 
     # --------------------------------------------------------------- commands
 
-    @_locked
+    @locked
     def add_sequence(
         self,
         seq_id: Hashable,
@@ -311,7 +271,7 @@ class KVCacheManager:
             record.token_ids = None
         return num_hit
 
-    @_locked
+    @locked
     def reset_prefix_cache(self) -> None:
         """Drop every block key; refused while any block is in use.
 
@@ -327,7 +287,7 @@ class KVCacheManager:
             )
         self._sharing.cache.reset()
 
-    @_locked
+    @locked
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
 
@@ -369,7 +329,7 @@ class KVCacheManager:
         self._counters["copy_on_write"] += plan.num_copy_on_write
         return batch
 
-    @_locked
+    @locked
     def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
         """Store one layer's k/v for every token of ``batch``.
 
@@ -445,7 +405,7 @@ class KVCacheManager:
             self.pool, layer, tables, batch.query_start, window, query_array, self.scale, method
         )
 
-    @_locked
+    @locked
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Start ``child`` as a copy of ``parent`` that shares every block (no copy).
 
@@ -465,7 +425,7 @@ class KVCacheManager:
         self._seqs[child] = twin
         self._counters["forks"] += 1
 
-    @_locked
+    @locked
     def cancel_reservation(self, seq_id: Hashable) -> None:
         """Take back ``seq_id``'s reserved tokens that some layer has not written.
 
@@ -485,7 +445,7 @@ class KVCacheManager:
         if released:
             self.pool.allocator.free(released)
 
-    @_locked
+    @locked
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
 
@@ -496,7 +456,7 @@ class KVCacheManager:
         self._release(seq)
         del self._seqs[seq_id]
 
-    @_locked
+    @locked
     def preempt(self, seq_id: Hashable, mode: str = "recompute") -> None:
         """Take a running sequence's blocks away; ``resume`` brings it back.
 
@@ -531,7 +491,7 @@ class KVCacheManager:
         seq.batch = None
         self._counters["preemptions"] += 1
 
-    @_locked
+    @locked
     def resume(self, seq_id: Hashable) -> int:
         """Bring a preempted or swapped sequence back to running.
 
@@ -575,7 +535,7 @@ class KVCacheManager:
 
     # -------------------------------------------------------------- reporting
 
-    @_locked
+    @locked
     def metrics(self) -> ManagerMetrics:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
         cache = self._sharing.cache if self._sharing is not None else None
@@ -589,7 +549,7 @@ class KVCacheManager:
             num_prefix_evictions=cache.num_evictions if cache else 0,
         )
 
-    @_locked
+    @locked
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
         self.pool.check_invariants()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy.typing as npt
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
 from pagedkv.counts import check_count
 from pagedkv.errors import ConfigError, PoolTooLargeError
+from pagedkv.gather import Scratch, gather
 from pagedkv.inputs import check_dtype
 from pagedkv.quantization import (
     QuantizedTokens,
@@ -151,7 +152,7 @@ class KVPool:
             ) from None
         # NOTE: one scratch pair per thread, so caches (or sequences) used from
         # different threads never overwrite each other's gathered keys.
-        self._scratch = threading.local()
+        self._scratch = Scratch(self.dtype)
         #: Held by every cache and manager command that changes this pool's
         #: allocator or pages (see docs/design.md, "Concurrency"). A plain
         #: lock, not re-entrant: a finalizer that finds it held defers its frees.
@@ -266,21 +267,7 @@ class KVPool:
         """
         if self.quantized:
             return self._dequantized(self.gather_quantized(layer, plan))
-        keys, values = self._keys[layer], self._values[layer]
-        if plan.slots is not None:
-            return self._take(keys, values, plan.slots)
-        bs, lo, hi = self.block_size, plan.offset, plan.offset + plan.num_tokens
-        if not plan.num_tokens:
-            empty = np.empty((self.num_kv_heads, 0, self.head_dim), self.dtype)
-            return empty, empty
-        if plan.is_run:
-            first, num = plan.block_ids[0], len(plan.block_ids)
-            shape = (self.num_kv_heads, num * bs, self.head_dim)
-            key_run = keys[:, first : first + num].reshape(shape)
-            value_run = values[:, first : first + num].reshape(shape)
-        else:
-            key_run, value_run = self._take_blocks(keys, values, plan.block_ids)
-        return key_run[:, lo:hi], value_run[:, lo:hi]
+        return gather(self._keys[layer], self._values[layer], plan, self._scratch)
 
     def gather_quantized(self, layer: int, plan: ReadPlan) -> tuple[Tokens, Tokens]:
         """The keys and values ``plan`` reads, in order, as stored.
@@ -418,23 +405,6 @@ class KVPool:
 
     # -------------------------------------------------------------- invariants
 
-    def run_or_defer(self, action: Callable[[], None]) -> None:
-        """Run ``action`` (a dropped owner giving its blocks back) under the lock, now or later.
-
-        For finalizers, which may run in any thread at any moment: the action
-        runs now when the pool's lock is free; otherwise (another thread, or
-        this one in the middle of a command, holds it) it waits in the
-        allocator until its next ``allocate``.
-        """
-        if self.lock.acquire(blocking=False):
-            try:
-                self.allocator.release_deferred()
-                action()
-            finally:
-                self.lock.release()
-        else:
-            self.allocator.defer(action)
-
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any invariant in the class docstring is broken.
 
@@ -465,46 +435,6 @@ class KVPool:
 
     # ---------------------------------------------------------------- private
 
-    def _take(
-        self,
-        keys: npt.NDArray[np.floating],
-        values: npt.NDArray[np.floating],
-        slots: npt.NDArray[np.intp],
-    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        num = len(slots)
-        size = self.num_kv_heads * num * self.head_dim
-        scratch_keys, scratch_values = self._scratch_of(size)
-        shape = (self.num_kv_heads, num, self.head_dim)
-        key_out = scratch_keys[:size].reshape(shape)
-        value_out = scratch_values[:size].reshape(shape)
-        flat = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
-        # NOTE: mode="clip" skips the bounds check that makes the default
-        # mode="raise" buffer the whole result when out= is given; slots come
-        # from block tables this pool validated, so they are in range.
-        np.take(keys.reshape(flat), slots, axis=1, out=key_out, mode="clip")
-        np.take(values.reshape(flat), slots, axis=1, out=value_out, mode="clip")
-        return key_out, value_out
-
-    def _take_blocks(
-        self,
-        keys: npt.NDArray[np.floating],
-        values: npt.NDArray[np.floating],
-        block_ids: tuple[int, ...],
-    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        """Gather whole blocks into scratch, as ``(num_kv_heads, len(block_ids) * block_size, head_dim)``."""
-        num = len(block_ids)
-        bs = self.block_size
-        size = self.num_kv_heads * num * bs * self.head_dim
-        scratch_keys, scratch_values = self._scratch_of(size)
-        shape = (self.num_kv_heads, num, bs, self.head_dim)
-        key_out = scratch_keys[:size].reshape(shape)
-        value_out = scratch_values[:size].reshape(shape)
-        ids = np.array(block_ids, np.intp)
-        np.take(keys, ids, axis=1, out=key_out, mode="clip")
-        np.take(values, ids, axis=1, out=value_out, mode="clip")
-        flat = (self.num_kv_heads, num * bs, self.head_dim)
-        return key_out.reshape(flat), value_out.reshape(flat)
-
     def _new_scales(self, storage: StorageFormat | None, num_blocks: int) -> list[npt.NDArray[np.floating]]:
         if storage is None:
             return []
@@ -528,16 +458,6 @@ class KVPool:
                 return side.dequantize(0, side.shape[1], self.dtype)
             return np.array(side)
         return floats(sides[0]), floats(sides[1])
-
-    def _scratch_of(self, size: int) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
-        """This thread's scratch pair, at least ``size`` values each (grown geometrically)."""
-        scratch = self._scratch
-        keys: npt.NDArray[np.floating] | None = getattr(scratch, "keys", None)
-        if keys is None or keys.size < size:
-            capacity = max(size, 2 * (0 if keys is None else keys.size))
-            scratch.keys = np.empty(capacity, self.dtype)
-            scratch.values = np.empty(capacity, self.dtype)
-        return scratch.keys, scratch.values
 
     def __repr__(self) -> str:
         return (

@@ -28,6 +28,7 @@ field's path (``state.manager.sequences[2].table.num_tokens``).
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
 
@@ -51,6 +52,7 @@ __all__ = [
     "pair",
     "role_of",
     "seq_id_json",
+    "shown",
     "table_json",
 ]
 
@@ -60,6 +62,23 @@ State = dict[str, Any]
 DTYPES = ("float32", "float64")
 #: Storage dtypes a snapshot may name (None: floats in the compute dtype).
 STORAGE: tuple[str | None, ...] = (None, *STORAGE_DTYPES)
+
+
+# NOTE: every value a message quotes comes from the file. A plain repr of a
+# list nested a few hundred deep (json.loads accepts up to the recursion
+# limit) would itself raise RecursionError; reprlib stops at maxlevel.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 2, 4, 4
+_SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 40, 40, 40
+
+
+def shown(value: object) -> str:
+    """A short repr of an untrusted value, bounded in length and in depth.
+
+    >>> shown([[[[1]]], 2, 3, 4, 5, 6])
+    '[[[...]], 2, 3, 4, ...]'
+    """
+    return _SHOWN.repr(value)
 
 
 def fail(message: str) -> NoReturn:
@@ -78,14 +97,14 @@ def ints(values: object, where: str, low: int = 0, high: int | None = None) -> l
         fail(f"{where} must be a list, got {type(values).__name__}")
     for value in values:
         if not is_int(value) or value < low or (high is not None and value > high):
-            fail(f"{where} holds {value!r}; expected ints in {low}..{'' if high is None else high}")
+            fail(f"{where} holds {shown(value)}; expected ints in {low}..{'' if high is None else high}")
     return values
 
 
 def pair(value: object, where: str, what: str) -> tuple[int, int]:
     """``value`` as a pair of ints >= 0, or fail naming ``where`` and ``what`` the pairs mean."""
     if not (isinstance(value, list) and len(value) == 2):
-        fail(f"{where} holds {value!r:.60}; expected {what} pairs")
+        fail(f"{where} holds {shown(value)}; expected {what} pairs")
     first, second = ints(value, where)
     return first, second
 
@@ -93,11 +112,11 @@ def pair(value: object, where: str, what: str) -> tuple[int, int]:
 def hex_bytes(value: object, where: str, size: int | None = None) -> bytes:
     """The bytes a hex string spells (of ``size`` bytes when given), or fail naming ``where``."""
     if not isinstance(value, str):
-        fail(f"{where} holds {value!r:.60}, not a hex string")
+        fail(f"{where} holds {shown(value)}, not a hex string")
     try:
         data = bytes.fromhex(value)
     except ValueError:
-        fail(f"{where} holds {value:.40!r}, not hex")
+        fail(f"{where} holds {shown(value)}, not hex")
     if size is not None and len(data) != size:
         fail(f"{where} holds a {len(data)}-byte key; the hash makes {size}-byte keys")
     return data
@@ -137,7 +156,7 @@ class Reader:
             return None
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            fail(f"{self.where}.{name} = {value!r:.60} has the wrong type")
+            fail(f"{self.where}.{name} = {shown(value)} has the wrong type")
         return value
 
     def integer(self, name: str, low: int = 0, *, optional: bool = False) -> Any:
@@ -158,7 +177,7 @@ class Reader:
         """Field ``name``, one of ``choices``."""
         value = self._field(name)
         if isinstance(value, bool) or value not in choices:
-            fail(f"{self.where}.{name} = {value!r:.60}; expected one of {choices}")
+            fail(f"{self.where}.{name} = {shown(value)}; expected one of {choices}")
         return value
 
     def ints(self, name: str, low: int = 0, high: int | None = None) -> list[int]:
