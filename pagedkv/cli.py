@@ -6,8 +6,11 @@ Exit status: 0 on success, 1 when a check found a failure, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -33,24 +36,103 @@ def _viz(args: argparse.Namespace) -> int:
     return run_viz(args)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
+# ---- argparse types: a bad value exits 2 with "argument --flag: expected ..., got ..." ----
+
+#: The most demo tokens: about 3 minutes at the demo's ~5,000 tokens a second.
+MAX_DEMO_TOKENS = 1_000_000
+#: The most synthetic requests: hours of simulation already, and every request is held in memory.
+MAX_NUM_REQUESTS = 10_000_000
+#: The most samples per request: the admission forks every sample, every time it tries.
+MAX_SAMPLES = 10_000
+#: numpy draws prefix groups as int64.
+MAX_INT64 = 2**63 - 1
 
 
-def _fraction(text: str) -> float:
+def int_range(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None).
+
+    >>> int_range(1, 10)("3")
+    3
+    """
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    expected = kind if maximum is None else f"{kind} up to {maximum:,}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also ints of more than 4,300 digits
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = int_range(1)
+non_negative_int = int_range(0)
+
+
+def _float(text: str, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: any finite number (not nan, inf or -inf)."""
+    return _float(text, "a finite number")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _float(text, "a finite number > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in ``[0, 1)``."""
+    value = _float(text, "a number in [0, 1)")
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
     return value
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file that can be written in an existing folder (not created here)."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file to write, got {text!r}")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(path.parent)!r}")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """An argparse type: a folder that exists or can be made, and can be written (not created here)."""
+    path = Path(text)
+    if not text or (path.exists() and not path.is_dir()):
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    ancestor = _nearest_existing(path)
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"cannot write into {text!r}: {str(ancestor)!r} is not a folder we may write"
+        )
+    return text
 
 
 def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
@@ -63,32 +145,35 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
         "of requests (schema: pagedkv.simulate.workload) (default %(default)s)",
     )
     work.add_argument(
-        "--num-requests", type=_positive_int, default=defaults["num_requests"],
-        help="synthetic requests (default %(default)s)",
+        "--num-requests", type=int_range(1, MAX_NUM_REQUESTS), default=defaults["num_requests"],
+        help=f"synthetic requests, at most {MAX_NUM_REQUESTS:,} (default %(default)s)",
     )
-    work.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and events (default 0)")
     work.add_argument(
-        "--n", type=_positive_int, default=defaults.get("n", 1),
-        help="samples per request, forked after prefill (default %(default)s)",
+        "--seed", type=non_negative_int, default=0,
+        help="seed of lengths, tokens and events, >= 0 (default 0)",
+    )
+    work.add_argument(
+        "--n", type=int_range(1, MAX_SAMPLES), default=defaults.get("n", 1),
+        help=f"samples per request, forked after prefill, at most {MAX_SAMPLES:,} (default %(default)s)",
     )
     work.add_argument(
         "--sampling", choices=("parallel", "beam"), default="parallel",
         help="parallel samples, or beam-like: beams pruned and re-forked as they decode (default parallel)",
     )
     work.add_argument(
-        "--prefix-groups", type=int, default=defaults.get("prefix_groups", 0),
+        "--prefix-groups", type=int_range(0, MAX_INT64), default=defaults.get("prefix_groups", 0),
         help="requests share one of this many system prompts (default %(default)s)",
     )
     work.add_argument(
-        "--prefix-len", type=int, default=defaults.get("prefix_len", 0),
+        "--prefix-len", type=non_negative_int, default=defaults.get("prefix_len", 0),
         help="tokens of each shared system prompt (default %(default)s)",
     )
     work.add_argument(
-        "--arrival-rate", type=float, default=None,
+        "--arrival-rate", type=positive_float, default=None,
         help="requests arriving per step, Poisson (default: all at step 0)",
     )
     work.add_argument(
-        "--max-model-len", type=_positive_int, default=defaults.get("max_model_len", 2048),
+        "--max-model-len", type=positive_int, default=defaults.get("max_model_len", 2048),
         help="longest sequence; the contiguous baseline reserves up to it (default %(default)s)",
     )
     memory = parser.add_argument_group("memory and scheduler")
@@ -98,39 +183,39 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
         help="KV memory in bytes: 12GiB, 800MB, ... (default %(default)s)",
     )
     budget.add_argument(
-        "--blocks", type=_positive_int, default=None,
+        "--blocks", type=positive_int, default=None,
         help="KV memory as a number of blocks instead" + (
             f" (default {defaults['blocks']})" if defaults.get("blocks") else ""
         ),
     )
     parser.set_defaults(fallback_blocks=defaults.get("blocks"))
     memory.add_argument(
-        "--block-size", type=_positive_int, default=defaults.get("block_size", 16),
+        "--block-size", type=positive_int, default=defaults.get("block_size", 16),
         help="token slots per block (default %(default)s)",
     )
-    memory.add_argument("--window", type=_positive_int, default=None, help="sliding window per sequence")
+    memory.add_argument("--window", type=positive_int, default=None, help="sliding window per sequence")
     memory.add_argument(
         "--prefix-caching", action=argparse.BooleanOptionalAction,
         default=defaults.get("prefix_caching", False),
         help="share cached full blocks of prompts (default %(default)s)",
     )
     memory.add_argument(
-        "--max-num-seqs", type=_positive_int, default=None, help="at most this many running sequences"
+        "--max-num-seqs", type=positive_int, default=None, help="at most this many running sequences"
     )
     memory.add_argument(
-        "--watermark", type=_fraction, default=0.01,
+        "--watermark", type=fraction, default=0.01,
         help="share of blocks admission keeps free, as vLLM v0 (default 0.01)",
     )
     model = parser.add_argument_group(
         "modeled model (bytes per token = layers x kv heads x head_dim x 2 x bytes)"
     )
-    model.add_argument("--num-layers", type=_positive_int, default=40, help="default 40 (OPT-13B)")
-    model.add_argument("--num-kv-heads", type=_positive_int, default=40, help="default 40")
-    model.add_argument("--head-dim", type=_positive_int, default=128, help="default 128")
-    model.add_argument("--dtype-bytes", type=_positive_int, default=2, help="default 2 (fp16)")
+    model.add_argument("--num-layers", type=positive_int, default=40, help="default 40 (OPT-13B)")
+    model.add_argument("--num-kv-heads", type=positive_int, default=40, help="default 40")
+    model.add_argument("--head-dim", type=positive_int, default=128, help="default 128")
+    model.add_argument("--dtype-bytes", type=positive_int, default=2, help="default 2 (fp16)")
     run = parser.add_argument_group("run")
     run.add_argument(
-        "--sample-every", type=_positive_int, default=10,
+        "--sample-every", type=positive_int, default=10,
         help="measure memory every this many steps (default 10)",
     )
     run.add_argument(
@@ -164,9 +249,9 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
     out.add_argument("--sweep", action="store_true", help="sweep block sizes and windows; print a table")
     out.add_argument(
-        "--block-sizes", default="1,2,4,8,16,32,64,128,256", help="for --sweep (default %(default)s)"
+        "--block-sizes", default=None, help="for --sweep (default 1,2,4,8,16,32,64,128,256)"
     )
-    out.add_argument("--windows", default="none", help="for --sweep, e.g. none,256,512 (default none)")
+    out.add_argument("--windows", default=None, help="for --sweep, e.g. none,256,512 (default none)")
     out.add_argument("--json", action="store_true", help="print JSON (wall-clock fields under 'timing')")
     simulate.set_defaults(run=_simulate)
 
@@ -193,12 +278,14 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
     pics = viz.add_argument_group("pictures")
     pics.add_argument("--steps", default=None, help="steps to draw, e.g. 5,20,40 (default: four moments)")
-    pics.add_argument("--width", type=_positive_int, default=64, help="blocks per text row (default 64)")
+    pics.add_argument("--width", type=positive_int, default=64, help="blocks per text row (default 64)")
     pics.add_argument(
         "--png", default=None,
         help="write PNGs instead: pagemap, occupancy, sweep (comma-separated) or all; needs pagedkv[plot]",
     )
-    pics.add_argument("--out", default=".", help="folder for PNGs (default: the current one)")
+    pics.add_argument(
+        "--out", type=output_folder, default=".", help="folder for PNGs (default: the current one)"
+    )
     pics.add_argument(
         "--all", action="store_true",
         help="write the tutorial's figures (fixed settings) into --out, e.g. --out docs/images",
@@ -223,8 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="stream tokens through windowed caches; verify every output"
     )
-    demo.add_argument("--tokens", type=int, default=300, help="tokens to stream (default 300)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument(
+        "--tokens", type=int_range(1, MAX_DEMO_TOKENS), default=300,
+        help=f"tokens to stream, at most {MAX_DEMO_TOKENS:,} (default 300)",
+    )
+    demo.add_argument("--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default 0)")
     demo.set_defaults(run=_demo)
     _add_study_parsers(commands)
     _add_check_parser(commands)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pagedkv.cache import KVCache
-from pagedkv.counts import window_blocks
+from pagedkv.counts import check_count, window_blocks
 from pagedkv.pool import KVPool
 from pagedkv.reference import attend_window
 
@@ -53,7 +53,13 @@ def run_demo(
     seed: int = 0,
     print_fn: Callable[[str], None] = print,
 ) -> int:
-    """Run the demo; return how many outputs differed from the recompute (0 when all match)."""
+    """Run the demo; return how many outputs differed from the recompute (0 when all match).
+
+    Raises:
+        ConfigError, InputTypeError: ``num_tokens`` is not an int >= 1, or ``seed`` not an int >= 0.
+    """
+    num_tokens = check_count("num_tokens", num_tokens)
+    seed = check_count("seed", seed, minimum=0)
     block_size, head_dim = 4, 8
     windows = {"A": 6, "B": 9, "C": 13}
     num_blocks = sum(window_blocks(w, block_size) for w in windows.values())

@@ -42,11 +42,7 @@ def swap_out(record: SequenceRecord, device: KVPool, host: KVPool) -> None:
     Raises:
         PoolExhaustedError: the host pool has too few free blocks; nothing changes.
     """
-    device_ids = record.table.block_ids
-    host_ids = host.allocator.allocate(len(device_ids))
-    _copy_between(device, device_ids, host, host_ids)
-    device.allocator.free(record.table.replace_all(host_ids))
-    record.state = SequenceState.SWAPPED
+    _move(record, device, host, SequenceState.SWAPPED)
 
 
 def swap_in(record: SequenceRecord, device: KVPool, host: KVPool) -> None:
@@ -55,11 +51,15 @@ def swap_in(record: SequenceRecord, device: KVPool, host: KVPool) -> None:
     Raises:
         PoolExhaustedError: the device pool has too few free blocks; nothing changes.
     """
-    host_ids = record.table.block_ids
-    device_ids = device.allocator.allocate(len(host_ids))
-    _copy_between(host, host_ids, device, device_ids)
-    host.allocator.free(record.table.replace_all(device_ids))
-    record.state = SequenceState.RUNNING
+    _move(record, host, device, SequenceState.RUNNING)
+
+
+def _move(record: SequenceRecord, source: KVPool, target: KVPool, state: SequenceState) -> None:
+    source_ids = record.table.block_ids
+    target_ids = target.allocator.allocate(len(source_ids))  # all or nothing: may raise, nothing changed
+    _copy_between(source, source_ids, target, target_ids)
+    source.allocator.free(record.table.replace_all(target_ids))
+    record.state = state
 
 
 def _copy_between(source: KVPool, source_ids: list[int], target: KVPool, target_ids: list[int]) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
 from pagedkv.simulate.engine import PagedEngine
 from pagedkv.simulate.pagemap import capture_page_maps, page_map_text
@@ -43,7 +44,20 @@ from pagedkv.simulate.report import (
 from pagedkv.simulate.synthetic import DATASETS, synthetic
 from pagedkv.simulate.workload import Workload, WorkloadError, load_jsonl
 
-__all__ = ["build_config", "build_workload", "parse_list", "run_simulate", "run_viz"]
+__all__ = [
+    "SWEEP_BLOCK_SIZES",
+    "build_config",
+    "build_workload",
+    "parse_choices",
+    "parse_list",
+    "run_simulate",
+    "run_viz",
+]
+
+#: The block sizes ``--sweep`` (and ``viz --png sweep``) tries by default.
+SWEEP_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: What ``viz --png`` can draw.
+PICTURES = ("pagemap", "occupancy", "sweep")
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -54,20 +68,26 @@ def build_workload(args: argparse.Namespace) -> Workload:
     """
     name = args.workload
     if name in DATASETS:
-        return synthetic(
-            name,
-            args.num_requests,
-            seed=args.seed,
-            n=args.n,
-            sampling=args.sampling,
-            num_prefix_groups=args.prefix_groups,
-            prefix_len=args.prefix_len,
-            arrival_rate=args.arrival_rate,
-            max_model_len=args.max_model_len,
-        )
+        try:
+            return synthetic(
+                name,
+                args.num_requests,
+                seed=args.seed,
+                n=args.n,
+                sampling=args.sampling,
+                num_prefix_groups=args.prefix_groups,
+                prefix_len=args.prefix_len,
+                arrival_rate=args.arrival_rate,
+                max_model_len=args.max_model_len,
+            )
+        except WorkloadError as error:  # the lengths do not fit: name the flags that set them
+            flags = f"--workload {name} --max-model-len {args.max_model_len} --prefix-len {args.prefix_len}"
+            raise WorkloadError(f"{error} ({flags})") from None
     if name.endswith(".jsonl") or "/" in name:
         return load_jsonl(name, seed=args.seed, max_model_len=args.max_model_len)
-    raise WorkloadError(f"unknown workload {name!r}; give {' or '.join(sorted(DATASETS))}, or a .jsonl file")
+    raise WorkloadError(
+        f"--workload: unknown workload {name!r}; give {' or '.join(sorted(DATASETS))}, or a .jsonl file"
+    )
 
 
 def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
@@ -84,7 +104,7 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
     if blocks is not None:
         budget = Budget.from_blocks(blocks, args.block_size)
     else:
-        budget = Budget.from_bytes(parse_bytes(args.memory or "12GiB"), model)
+        budget = Budget.from_bytes(parse_bytes(args.memory), model)
     config = SimConfig(
         budget,
         block_size=args.block_size,
@@ -100,12 +120,12 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
 
 
 def parse_list(text: str, *, allow_none: bool = False, name: str = "list", minimum: int = 1) -> list[Any]:
-    """Parse ``"1,2,4"`` (or ``"none,256"`` with ``allow_none``) into ints (and None).
+    """Parse ``"1,2,4"`` (or ``"none,256"`` with ``allow_none``) into ints (and None), repeats dropped.
 
     Raises:
         ConfigError: an entry is not an int >= ``minimum`` (or ``none``).
 
-    >>> parse_list("none,256", allow_none=True)
+    >>> parse_list("none,256,256", allow_none=True)
     [None, 256]
     """
     values: list[Any] = []
@@ -114,25 +134,47 @@ def parse_list(text: str, *, allow_none: bool = False, name: str = "list", minim
         if allow_none and part in ("none", "off"):
             values.append(None)
             continue
-        if not part.isdigit() or int(part) < minimum:
+        try:
+            value = int(part) if part.isdecimal() else -1  # not "+4", "4_0", "²" or "nan"
+        except ValueError:  # more than 4,300 digits
+            value = -1
+        if value < minimum:
             raise ConfigError(f"{name}: {part!r} is not an int >= {minimum}")
-        values.append(int(part))
-    return values
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def parse_choices(text: str, choices: Sequence[str], *, name: str, what: str = "name") -> list[str]:
+    """Parse comma-separated names among ``choices`` (``all`` for every one), repeats dropped.
+
+    Args:
+        text: what the user typed, e.g. ``"paged,contiguous"``.
+        choices: the names known.
+        name: the flag, for the message.
+        what: what a name is, for the message (``"policy"``).
+
+    Raises:
+        ConfigError: an unknown (or empty) name.
+
+    >>> parse_choices("sweep,all", ("pagemap", "sweep"), name="--png")
+    ['sweep', 'pagemap']
+    """
+    names: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part not in (*choices, "all"):
+            raise ConfigError(f"{name}: unknown {what} {part!r}; expected {', '.join(choices)} or all")
+        names += choices if part == "all" else [part]
+    return list(dict.fromkeys(names))
 
 
 def parse_policies(text: str) -> list[str]:
     """``"paged,contiguous"`` or ``"all"`` into policy names.
 
     Raises:
-        ConfigError: an unknown policy.
+        ConfigError: an unknown policy, or none.
     """
-    if text.strip() == "all":
-        return list(POLICIES)
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    for name in names:
-        if name not in POLICIES:
-            raise ConfigError(f"--policies: unknown policy {name!r}; expected {', '.join(POLICIES)} or all")
-    return names
+    return parse_choices(text, POLICIES, name="--policies", what="policy")
 
 
 def stdout_closed() -> int:
@@ -142,12 +184,24 @@ def stdout_closed() -> int:
     return 0
 
 
+def _budget_flag(args: argparse.Namespace) -> str:
+    """The flag that set the memory budget, with its value, for an error message."""
+    if args.blocks is not None:
+        return f"--blocks {args.blocks}"
+    if args.memory is not None:
+        return f"--memory {shlex.quote(args.memory)}"
+    return f"--blocks {args.fallback_blocks} (the default)"
+
+
 def _run(name: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one command: bad input or a missing extra exits 2 with one line on stderr."""
     try:
         try:
             return command(args)
-        except (WorkloadError, BudgetError, ConfigError, MissingExtraError) as error:
+        except (BudgetError, PoolTooLargeError) as error:
+            print(f"pagedkv {name}: error: {_budget_flag(args)}: {error}", file=sys.stderr)
+            return 2
+        except (WorkloadError, ConfigError, MissingExtraError) as error:
             print(f"pagedkv {name}: error: {error}", file=sys.stderr)
             return 2
     except BrokenPipeError:
@@ -160,11 +214,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    for flag, value in (("--block-sizes", args.block_sizes), ("--windows", args.windows)):
+        if value is not None and not args.sweep:
+            raise ConfigError(f"{flag} is for --sweep; add --sweep, or leave {flag} out")
+    block_sizes = list(SWEEP_BLOCK_SIZES)
+    if args.block_sizes is not None:
+        block_sizes = parse_list(args.block_sizes, name="--block-sizes")
+    windows = [None] if args.windows is None else parse_list(args.windows, allow_none=True, name="--windows")
+    policies = parse_policies(args.policies)
     workload = build_workload(args)
     config, model = build_config(args)
-    policies = parse_policies(args.policies)
-    block_sizes = parse_list(args.block_sizes, name="--block-sizes") if args.sweep else []
-    windows = parse_list(args.windows, allow_none=True, name="--windows") if args.sweep else []
     progress = stderr_progress() if wants_progress(args.progress) else no_progress
     if args.sweep:
         baseline = next((p for p in policies if p != "paged"), None)
@@ -211,13 +270,14 @@ def run_viz(args: argparse.Namespace) -> int:
 
 def _viz(args: argparse.Namespace) -> int:
     if args.all:
-        tutorial_figures(args.out)
+        _write_pictures(args.out, lambda: tutorial_figures(args.out))
         return 0
+    kinds = None if args.png is None else parse_choices(args.png, PICTURES, name="--png", what="picture")
+    steps = parse_list(args.steps, name="--steps", minimum=0) if args.steps is not None else None
     workload = build_workload(args)
     config, _ = build_config(args)
-    if args.png:
-        return _png(args, workload, config)
-    steps = parse_list(args.steps, name="--steps", minimum=0) if args.steps else None
+    if kinds is not None:
+        return _png(kinds, args.out, workload, config)
     if steps is None:
         num_steps = PagedEngine(workload, config).run().num_steps
         steps = _auto_steps(num_steps)
@@ -237,13 +297,21 @@ def _viz(args: argparse.Namespace) -> int:
     return 0
 
 
-def _png(args: argparse.Namespace, workload: Workload, config: SimConfig) -> int:
-    kinds = ["pagemap", "occupancy", "sweep"] if args.png == "all" else args.png.split(",")
-    unknown = sorted(set(kinds) - {"pagemap", "occupancy", "sweep"})
-    if unknown:
-        raise ConfigError(f"--png: unknown picture {unknown[0]!r}; expected pagemap, occupancy, sweep or all")
+def _write_pictures(out: str, write: Callable[[], object]) -> None:
+    """Run ``write``; a folder that refuses the files is bad usage (``--out`` was checked when parsed)."""
+    try:
+        write()
+    except OSError as error:
+        raise ConfigError(f"--out: cannot write into {out!r}: {error.strerror or error}") from None
+
+
+def _png(kinds: Sequence[str], out_dir: str, workload: Workload, config: SimConfig) -> int:
     pyplot()
-    out = Path(args.out)
+    _write_pictures(out_dir, lambda: _plot(kinds, Path(out_dir), workload, config))
+    return 0
+
+
+def _plot(kinds: Sequence[str], out: Path, workload: Workload, config: SimConfig) -> None:
     for kind in kinds:
         if kind == "pagemap":
             page_maps, _ = capture_page_maps(workload, config)
@@ -253,7 +321,6 @@ def _png(args: argparse.Namespace, workload: Workload, config: SimConfig) -> int
             contiguous = run_policy("contiguous", workload, config)
             path = plot_occupancy(paged, contiguous, out / "occupancy.png")
         else:
-            rows = sweep(workload, config, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+            rows = sweep(workload, config, list(SWEEP_BLOCK_SIZES))
             path = plot_sweep(rows, out / "block_size_sweep.png")
         print(f"wrote {os.fspath(path)}")
-    return 0

@@ -9,9 +9,10 @@ Exit status: 0 when the cache passed, 1 when a failure was found, 2 on bad
 usage (a spec without ``:``, a module that does not import, a missing or
 uncallable attribute, a factory that takes no ``max_size``, no Hypothesis).
 
-Only the standard library is imported here (importing the package adds the
-kit's pure-Python oracle and contract); Hypothesis and the state machine load
-when the command runs, so ``pagedkv demo`` never pays for them.
+Only the standard library and :mod:`pagedkv.cli`'s argparse types are
+imported here (importing the package adds the kit's pure-Python oracle and
+contract); Hypothesis and the state machine load when the command runs, so
+``pagedkv demo`` never pays for them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedkv.cli import finite_float, int_range, output_file, positive_int
+
 __all__ = [
     "UsageError",
     "add_check_parser",
+    "check_token_size",
     "configure",
     "load_factory",
     "main",
@@ -41,6 +45,15 @@ _HEADS = {
     "gqa": ("grouped-query",),
     "all": ("one-head", "multi-head", "grouped-query"),
 }
+
+
+#: The most examples: hours of checking already.
+MAX_EXAMPLES = 1_000_000
+#: The most window sizes one ``--max-size`` range may name.
+MAX_RANGE_SIZES = 10_000
+#: The most values Hypothesis draws in one list (its ``BUFFER_SIZE``); the kit draws a
+#: token's q, k and v as one flat list, so the largest token must fit.
+MAX_TOKEN_VALUES = 8 * 1024
 
 
 class UsageError(Exception):
@@ -70,7 +83,7 @@ def parse_max_sizes(text: str) -> tuple[int | None, ...]:
                 sizes.append(None)
             elif "-" in item:
                 low, high = (int(part) for part in item.split("-", 1))
-                if low < 1 or high < low:
+                if low < 1 or high < low or high - low >= MAX_RANGE_SIZES:
                     raise ValueError(item)
                 sizes += range(low, high + 1)
             else:
@@ -79,7 +92,8 @@ def parse_max_sizes(text: str) -> tuple[int | None, ...]:
                 sizes.append(int(item))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"--max-size takes none, positive ints and ranges like 1-6, got {item!r}"
+                f"--max-size takes none, positive ints and ranges like 1-6 "
+                f"(of at most {MAX_RANGE_SIZES:,} sizes), got {item!r}"
             ) from None
     return tuple(dict.fromkeys(sizes))
 
@@ -95,14 +109,27 @@ def _heads(text: str) -> tuple[str, ...]:
     return tuple(layouts)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
+def check_token_size(heads: Sequence[str], head_dim: int, max_heads: int) -> None:
+    """Check that the largest token the options draw fits in one Hypothesis list.
+
+    A token is ``q`` plus ``k`` and ``v``: ``3 x head_dim`` values one-head,
+    ``3 x heads x head_dim`` multi-head, at most ``2 x heads x head_dim``
+    grouped-query (``num_kv_heads <= heads // 2``).
+
+    Raises:
+        UsageError: the largest token has more than :data:`MAX_TOKEN_VALUES` values.
+
+    >>> check_token_size(["one-head"], 2730, 4)
+    """
+    num_values = {"one-head": 3, "multi-head": 3 * max_heads, "grouped-query": 2 * max(2, max_heads)}
+    layout = max(heads, key=num_values.__getitem__)
+    largest = head_dim * num_values[layout]
+    if largest > MAX_TOKEN_VALUES:
+        raise UsageError(
+            f"--head-dim {head_dim} and --max-heads {max_heads} draw {layout} tokens of up to "
+            f"{largest:,} values (q, k and v), Hypothesis at most {MAX_TOKEN_VALUES:,}: "
+            "give a smaller --head-dim or --max-heads"
+        )
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -118,11 +145,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "spec", metavar="MODULE:FACTORY", help="e.g. pagedkv:KVCache or mycache:make"
     )
     parser.add_argument(
-        "--max-examples", type=_positive, default=100, help="examples to try (default 100)"
+        "--max-examples", type=int_range(1, MAX_EXAMPLES), default=100,
+        help=f"examples to try, at most {MAX_EXAMPLES:,} (default 100)"
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a new one)")
     parser.add_argument(
-        "--steps", type=_positive, default=30, help="most steps per example (default 30)"
+        "--steps", type=positive_int, default=30, help="most steps per example (default 30)"
     )
     parser.add_argument(
         "--max-size", type=parse_max_sizes, default=(None, *range(1, 7)), metavar="SIZES",
@@ -133,10 +161,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="one (vectors [d], the default), multi, gqa, all; comma-separated",
     )
     parser.add_argument(
-        "--head-dim", type=_positive, default=4, help="largest head_dim (default 4)"
+        "--head-dim", type=positive_int, default=4, help="largest head_dim (default 4)"
     )
     parser.add_argument(
-        "--max-heads", type=_positive, default=4, help="most query heads (default 4)"
+        "--max-heads", type=positive_int, default=4, help="most query heads (default 4)"
     )
     parser.add_argument("--arrays", action="store_true", help="feed numpy arrays, not lists")
     parser.add_argument(
@@ -144,16 +172,17 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="what the cache computes in; sets the tolerance (default float64)",
     )
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="the cache's score scale (default 1)"
+        "--scale", type=finite_float, default=1.0, help="the cache's score scale (default 1)"
     )
     parser.add_argument(
-        "--caches", type=_positive, default=2, help="most caches per example (default 2)"
+        "--caches", type=positive_int, default=2, help="most caches per example (default 2)"
     )
     parser.add_argument(
         "--no-close", action="store_true", help="do not call close() on the caches afterwards"
     )
     parser.add_argument(
-        "-o", "--output", default=None, metavar="FILE", help="also write a failing program to FILE"
+        "-o", "--output", type=output_file, default=None, metavar="FILE",
+        help="also write a failing program to FILE",
     )
     parser.set_defaults(run=run_check)
     return parser
@@ -248,6 +277,7 @@ def run_check(args: argparse.Namespace) -> int:
         The exit status: 0 passed, 1 failure found, 2 bad usage.
     """
     try:
+        check_token_size(args.heads, args.head_dim, args.max_heads)
         factory = load_factory(args.spec)
         from hypothesis import strategies as st
 
@@ -283,8 +313,13 @@ def run_check(args: argparse.Namespace) -> int:
     )
     print(verdict.report(rerun=None if verdict.passed else _rerun(args, seed)), end="")
     if not verdict.passed and args.output and verdict.reproducer is not None:
-        with open(args.output, "w", encoding="utf-8") as file:
-            file.write(verdict.reproducer)
+        try:
+            with open(args.output, "w", encoding="utf-8") as file:
+                file.write(verdict.reproducer)
+        except OSError as error:  # checked at parse time; the folder may still refuse it
+            message = f"--output: cannot write {args.output!r}: {error.strerror}"
+            print(f"pagedkv check: error: {message}", file=sys.stderr)
+            return 2
         print(f"Wrote the failing program to {args.output}.")
     return 0 if verdict.passed else 1
 
