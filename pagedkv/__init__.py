@@ -29,6 +29,7 @@ from pagedkv.errors import (
     SequenceStateError,
     ShapeError,
     SnapshotError,
+    SnapshotIOError,
     UnknownBlockError,
     UnknownSequenceError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "SequenceStateError",
     "ShapeError",
     "SnapshotError",
+    "SnapshotIOError",
     "UnknownBlockError",
     "UnknownSequenceError",
     "__version__",

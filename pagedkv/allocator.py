@@ -24,8 +24,9 @@ from pagedkv.errors import (
 __all__ = ["BOOKKEEPING_BYTES_PER_BLOCK", "AllocatorState", "BlockAllocator"]
 
 #: Bytes of Python bookkeeping one block costs a fresh allocator: a ref count
-#: slot and a queue slot (8-byte pointers to small cached ints).
-BOOKKEEPING_BYTES_PER_BLOCK = 16
+#: slot (8 bytes, pointing at the cached int 0) and a queue slot (8 bytes plus a
+#: 28-byte int object).
+BOOKKEEPING_BYTES_PER_BLOCK = 44
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ __all__ = [
     "SequenceStateError",
     "ShapeError",
     "SnapshotError",
+    "SnapshotIOError",
     "UnknownBlockError",
     "UnknownSequenceError",
 ]
@@ -124,3 +125,14 @@ class SequenceStateError(PagedKVError, RuntimeError):
 
 class SnapshotError(PagedKVError, ValueError):
     """A snapshot file is truncated, damaged, of another version, or inconsistent; or cannot be saved."""
+
+
+class SnapshotIOError(OSError, SnapshotError):
+    """A snapshot cannot be written or read where its path says (a missing folder, a folder, no file).
+
+    Also an ``OSError`` (``errno`` and ``filename`` set from the cause) and a
+    ``SnapshotError``.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

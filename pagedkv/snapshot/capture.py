@@ -19,7 +19,14 @@ from pagedkv.errors import ClosedCacheError, InputTypeError
 from pagedkv.manager import COUNTERS, KVCacheManager
 from pagedkv.pool import KVPool
 from pagedkv.sequence import RecordState, SequenceState, pending_layers
-from pagedkv.snapshot.format import Tensors, page_parts, safetensors_numpy, tensor_name, write_state
+from pagedkv.snapshot.format import (
+    Tensors,
+    check_path,
+    page_parts,
+    safetensors_numpy,
+    tensor_name,
+    write_state,
+)
 from pagedkv.snapshot.schema import (
     State,
     allocator_json,
@@ -38,16 +45,23 @@ def save(obj: KVCache | KVCacheManager, path: str | os.PathLike[str]) -> None:
     Args:
         obj: a ``KVCache`` or a ``KVCacheManager``; it is only read.
         path: the file; an existing file there is replaced only once the
-            new one is complete on disk.
+            new one is complete on disk. Temporary files that killed saves
+            of the same ``path`` left in its folder are removed (see
+            ``docs/snapshots.md``).
 
     Raises:
-        InputTypeError: ``obj`` is neither.
+        InputTypeError: ``obj`` is neither, or ``path`` is not a str or
+            ``os.PathLike``.
         ClosedCacheError: the cache is closed.
         SnapshotError: the manager cannot be saved as it is: a sequence has
             reserved tokens some layer has not written, a sequence id is not
-            a str or int, or a pool also holds blocks of another owner.
+            a str or int, or a pool also holds blocks of another owner; or
+            the file cannot be written (a missing folder, no space, no
+            permission: the ``OSError`` is its ``__cause__``). A file already
+            at ``path`` is then left exactly as it was.
         ImportError: safetensors is missing (the ``snapshot`` extra).
     """
+    path = check_path(path)
     safetensors_numpy()  # fail on a missing extra before any work
     if isinstance(obj, KVCacheManager):
         state, tensors = capture_manager(obj)

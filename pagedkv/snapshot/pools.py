@@ -2,30 +2,75 @@
 
 A :class:`PoolPlan` reads one entry of the state's ``pools`` and the page
 tensors it names; it allocates nothing until ``build``. The allocator state
-is proven possible on a throwaway ``BlockAllocator`` (ids and counts only,
-no pages) through the allocator's and the prefix cache's own
-``_restore_state`` hooks and ``check_invariants``.
+is checked as it is saved, compactly (used ids, free runs, cached ids: the
+JSON's own size, never a Python object per free block), and becomes an
+``AllocatorState`` only at ``SavedAllocator.state``, right before the
+allocator takes it through its own ``_restore_state``. The built object's
+``check_invariants`` then runs every class's own rules.
 """
 
 from __future__ import annotations
 
-from itertools import pairwise
+from collections import Counter
+from dataclasses import dataclass
+from itertools import chain, pairwise
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import AllocatorState, BlockAllocator
+from pagedkv.allocator import AllocatorState
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import PrefixCache
 from pagedkv.quantization import StorageFormat, bytes_per_token, storage_format
 from pagedkv.snapshot.format import Tensors, page_parts, tensor_name
-from pagedkv.snapshot.schema import DTYPES, STORAGE, Reader, fail, invariants, pair
+from pagedkv.snapshot.schema import DTYPES, STORAGE, Reader, fail, pair, shown
 
-__all__ = ["PoolPlan", "check_allocator", "check_pools"]
+__all__ = ["BYTES_PER_BLOCK", "PoolPlan", "SavedAllocator", "check_keys", "check_pools"]
 
-#: Bookkeeping bytes counted per block on top of its pages (allocator lists and queues).
-_BLOCK_OVERHEAD = 64
+#: Bytes counted against ``max_bytes`` for every block of a pool loaded, on
+#: top of its pages: what building the allocator and proving the result cost
+#: at the peak (the constructor's lists, the restored state, the copies
+#: ``_restore_state`` keeps, and the sets ``check_invariants`` builds). Measured
+#: with tracemalloc (CPython 3.11, 40 k to 6 M free blocks): 104 to 136 bytes a
+#: block, depending on where CPython's set resizing falls; the test
+#: ``tests/test_snapshot_hostile.py`` fails should a load ever peak above it.
+BYTES_PER_BLOCK = 160
+
+
+@dataclass(frozen=True, slots=True)
+class SavedAllocator:
+    """A pool's saved allocator state, checked, and as compact as the JSON it came from.
+
+    Attributes:
+        num_blocks: the pool's blocks.
+        used: ref count of each used block.
+        free_runs: the plain free queue, in order, as ``(first_id, length)`` runs.
+        cached_free: the cached free queue, next to evict first.
+        cached: every block marked cached, ascending.
+    """
+
+    num_blocks: int
+    used: dict[int, int]
+    free_runs: list[tuple[int, int]]
+    cached_free: list[int]
+    cached: list[int]
+
+    def state(self, unkeyed: set[int] | frozenset[int] = frozenset()) -> AllocatorState:
+        """The ``AllocatorState`` (a Python int per block from here on), ``unkeyed`` blocks not cached.
+
+        An unkeyed cached free block joins the plain free queue's tail, in
+        eviction order, so blocks are still handed out in the saved order::
+
+            saved     plain [4 5]  cached free [2 7]   -> allocates 4 5 2 7
+            unkeyed   plain [4 5 2 7]                  -> allocates 4 5 2 7
+        """
+        ref_counts = [0] * self.num_blocks
+        for block_id, count in self.used.items():
+            ref_counts[block_id] = count
+        free = list(chain.from_iterable(range(first, first + length) for first, length in self.free_runs))
+        free += [block_id for block_id in self.cached_free if block_id in unkeyed]
+        return AllocatorState(ref_counts, free, [b for b in self.cached_free if b not in unkeyed],
+                              [b for b in self.cached if b not in unkeyed])
 
 
 class PoolPlan:
@@ -52,13 +97,17 @@ class PoolPlan:
         per_token = bytes_per_token(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                                     key_dtype=self.key_dtype, value_dtype=self.value_dtype,
                                     num_layers=self.num_layers)
-        self.bytes_needed = self.num_blocks * (self.block_size * per_token + _BLOCK_OVERHEAD)
+        self.bytes_per_block: int = self.block_size * per_token + BYTES_PER_BLOCK
         self.saved_ids = reader.ints("saved_ids", 0, self.num_blocks - 1)
         if any(a >= b for a, b in pairwise(self.saved_ids)):
             fail(f"{reader.where}.saved_ids must be strictly increasing")
         self.allocator_reader = reader.child("allocator") if needs_allocator else None
         self.key_format: StorageFormat | None = None
         self.value_format: StorageFormat | None = None
+
+    def bytes_for(self, num_blocks: int) -> int:
+        """What loading a pool of ``num_blocks`` of this shape takes at the peak: pages and bookkeeping."""
+        return num_blocks * self.bytes_per_block
 
     def same_shape(self) -> tuple[Any, ...]:
         """``(block_size, num_kv_heads, head_dim, num_layers, dtype, key_dtype, value_dtype)``."""
@@ -102,45 +151,57 @@ class PoolPlan:
             fail(f"tensor {name} has shape {array.shape}; the configuration says {shape}")
         return array
 
-    def allocator_state(self, held: list[int]) -> AllocatorState:
+    def saved_allocator(self, held: Counter[int]) -> SavedAllocator:
         """The saved allocator state, checked: ref counts equal ``held`` (tables per block), and used,
-        plain free and cached free blocks cover every block exactly once."""
+        plain free and cached free blocks cover every block exactly once, cached marks on used or
+        cached free blocks only. Costs the JSON's size, nothing per free block."""
         assert self.allocator_reader is not None
         reader, top = self.allocator_reader, self.num_blocks - 1
-        ref_counts = [0] * self.num_blocks
+        used: dict[int, int] = {}
         for entry in reader.get("used", list):
             block_id, count = pair(entry, f"{reader.where}.used", "[block_id, ref_count]")
-            if block_id > top or count < 1 or ref_counts[block_id]:
-                fail(f"{reader.where}.used holds a bad or repeated pair {entry!r}")
-            ref_counts[block_id] = count
-        if ref_counts != held:
-            bad = next(b for b in range(self.num_blocks) if ref_counts[b] != held[b])
-            fail(f"{self.role} block {bad} has ref count {ref_counts[bad]} but {held[bad]} block tables "
+            if block_id > top or count < 1 or block_id in used:
+                fail(f"{reader.where}.used holds a bad or repeated pair {shown(entry)}")
+            used[block_id] = count
+        if used != held:
+            bad = min(b for b in used.keys() | held.keys() if used.get(b, 0) != held[b])
+            fail(f"{self.role} block {bad} has ref count {used.get(bad, 0)} but {held[bad]} block tables "
                  "hold it (inconsistent ref counts)")
-        seen = np.array([count > 0 for count in ref_counts], bool)
-        free: list[int] = []
+        runs: list[tuple[int, int]] = []
         for run in reader.get("free_runs", list):
             first, length = pair(run, f"{reader.where}.free_runs", "[first_id, length]")
-            if length < 1 or first + length > self.num_blocks or seen[first : first + length].any():
-                fail(f"{reader.where}.free_runs holds {run!r}: outside the pool, or blocks counted twice")
-            seen[first : first + length] = True
-            free.extend(range(first, first + length))
+            if length < 1 or first + length > self.num_blocks:
+                fail(f"{reader.where}.free_runs holds {shown(run)}: outside the pool, or empty")
+            runs.append((first, length))
         cached_free = reader.ints("cached_free", 0, top)
-        if len(set(cached_free)) != len(cached_free) or seen[cached_free].any():
-            fail(f"{reader.where}.cached_free lists blocks that are used, free or listed twice")
-        seen[cached_free] = True
-        if not seen.all():
-            fail(f"{self.role} block {int(np.argmin(seen))} is neither used nor free")
+        # Every block exactly once: the used ids, the free runs and the cached free ids, as
+        # intervals sorted by their first id, must tile 0 .. num_blocks - 1 without gap or overlap.
+        position = 0
+        for first, length in sorted(chain(((b, 1) for b in used), runs, ((b, 1) for b in cached_free))):
+            if first != position:
+                fail(f"{self.role} block {min(first, position)} is "
+                     + ("counted twice (in used, free_runs or cached_free)" if first < position
+                        else "neither used nor free"))
+            position = first + length
+        if position != self.num_blocks:
+            fail(f"{self.role} block {position} is neither used nor free")
         cached = reader.ints("cached", 0, top)
-        if len(set(cached)) != len(cached):
+        marked = set(cached)
+        if len(marked) != len(cached):
             fail(f"{reader.where}.cached lists a block twice")
-        return AllocatorState(ref_counts, free, cached_free, sorted(cached))
+        if not marked.issuperset(cached_free) or not marked <= used.keys() | set(cached_free):
+            fail(f"{reader.where}: the cached free blocks are not all cached, or a plain free block is "
+                 "cached (inconsistent cached marks)")
+        return SavedAllocator(self.num_blocks, used, runs, cached_free, sorted(cached))
 
-    def index_map(self) -> npt.NDArray[np.intp]:
-        """Block id -> index of its pages in the saved tensors (-1: not saved)."""
-        index = np.full(self.num_blocks, -1, np.intp)
-        index[np.array(self.saved_ids, np.intp)] = np.arange(len(self.saved_ids))
-        return index
+    def saved_index(self, block_ids: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+        """Index of each block's pages in the saved tensors (-1: not saved); no array per pool block."""
+        saved = np.array(self.saved_ids, np.intp)
+        index = np.searchsorted(saved, block_ids)
+        found = index < len(saved)
+        found[found] = saved[index[found]] == block_ids[found]
+        result: npt.NDArray[np.intp] = np.where(found, index, -1)
+        return result
 
     def slot_key_max(self, layer: int) -> npt.NDArray[np.floating]:
         """Largest |key| (as attention reads it) of each saved slot, ``(num_saved * block_size,)``."""
@@ -171,32 +232,43 @@ class PoolPlan:
                 store[:, ids] = self.tensors[tensor_name(self.role, part, layer)].view(store.dtype)
 
 
-def check_allocator(state: AllocatorState, keys: list[tuple[int, bytes]] | None, what: str) -> None:
-    """Prove ``state`` (and the prefix ``keys`` on it; None: no prefix cache) is one an allocator can be in.
+def check_keys(saved: SavedAllocator, keys: list[tuple[int, bytes]] | None, what: str) -> None:
+    """The prefix ``keys`` (None: the pool runs no prefix cache) sit exactly on the cached blocks.
 
-    Restores both onto throwaway objects through their own hooks and runs
-    their ``check_invariants``: every block in exactly one state, cached marks
-    exactly on the keyed blocks, keyed blocks used or in the cached free queue.
+    The prefix cache's own invariants, on the saved state: one key a block,
+    one block a key, and a block keyed iff it is marked cached.
     """
-    allocator = BlockAllocator(len(state.ref_counts))
-    allocator._restore_state(state)
-    invariants(allocator.check_invariants, f"{what} allocator")
     if keys is None:
-        if state.cached:
+        if saved.cached:
             fail(f"the snapshot's {what} pool runs no prefix cache, but blocks are marked cached")
         return
-    prefix = PrefixCache(allocator)
-    prefix._restore_state(keys, 0)
-    invariants(prefix.check_invariants, "prefix cache")
+    keyed = {block_id for block_id, _ in keys}
+    if len(keyed) != len(keys) or len({key for _, key in keys}) != len(keys):
+        fail("the snapshot's prefix cache is inconsistent: a block or a key appears twice")
+    if keyed != set(saved.cached):
+        bad = min(keyed ^ set(saved.cached))
+        fail(f"the snapshot's prefix cache is inconsistent: block {bad} is "
+             + ("keyed but not marked cached" if bad in keyed else "marked cached but has no key"))
 
 
-def check_pools(plans: list[PoolPlan], tensors: Tensors, limit: int) -> None:
-    """The pools fit in ``limit`` bytes, and the tensors are exactly those they name."""
-    needed = sum(plan.bytes_needed for plan in plans)
-    if needed > limit:
-        sizes = ", ".join(f"{plan.role}: {plan.num_blocks:,} blocks" for plan in plans)
-        fail(f"the snapshot declares pools of {needed:,} bytes ({sizes}), more than the {limit:,} "
-             "allowed; pass max_bytes= to allow more")
+def check_pools(plans: list[PoolPlan], tensors: Tensors, limit: tuple[int, int],
+                num_built: list[int] | None = None) -> None:
+    """The pools fit in the bytes ``limit`` leaves them, and the tensors are exactly those they name.
+
+    Args:
+        plans: the saved pools.
+        tensors: every tensor of the file.
+        limit: ``(max_bytes, bytes the file itself took)``.
+        num_built: the blocks each plan's built pool will have (default: as saved).
+    """
+    max_bytes, num_file_bytes = limit
+    sizes = [plan.num_blocks for plan in plans] if num_built is None else num_built
+    needed = num_file_bytes + sum(plan.bytes_for(num_blocks) for plan, num_blocks in zip(plans, sizes))
+    if needed > max_bytes:
+        shown_sizes = "".join(f", {plan.role} pool: {n:,} blocks" for plan, n in zip(plans, sizes))
+        fail(f"loading the snapshot needs {needed:,} bytes (the file: {num_file_bytes:,}{shown_sizes}, "
+             f"their pages and {BYTES_PER_BLOCK} bytes of bookkeeping a block), more than the "
+             f"{max_bytes:,} bytes max_bytes= allows; pass a larger max_bytes= to allow more")
     expected = set().union(*(plan.names() for plan in plans))
     if set(tensors) != expected:
         fail(f"the tensors do not match the configuration: missing {sorted(expected - set(tensors))}, "

@@ -1,13 +1,14 @@
 """Restore: validate a snapshot's state and pages whole, then build the object, and ``load``.
 
-Validation comes first and allocates no pool: every field, every block
-table (rebuilt with ``BlockTable.restored`` and compared with its saved
-state), every allocator state (proven on throwaway allocators, see
-:mod:`pagedkv.snapshot.pools`), the pages, and the recorded largest key.
-Only then are the pools made and each object takes its state through its own
-``_restore_state`` hook: allocators, then the manager (its prefix cache and
-sequence records) or the cache (its table, filled in place). A final
-``check_invariants()`` is the last line of defence.
+Validation comes first and allocates no pool: the bytes the load will
+take against ``max_bytes``, every field, every block table (rebuilt with
+``BlockTable.restored`` and compared with its saved state), every allocator
+state (checked compactly, see :mod:`pagedkv.snapshot.pools`), the prefix keys
+(recomputed, see :mod:`pagedkv.snapshot.prefix`), the pages, and the
+recorded largest key. Only then are the pools made and each object takes its
+state through its own ``_restore_state`` hook: allocators, then the manager
+(its prefix cache and sequence records) or the cache (its table, filled in
+place). A final ``check_invariants()`` runs every class's own rules.
 """
 
 from __future__ import annotations
@@ -15,23 +16,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import AllocatorState
 from pagedkv.block_table import BlockTable
 from pagedkv.cache import CacheState, KVCache
-from pagedkv.counts import window_blocks
+from pagedkv.counts import check_count, window_blocks
 from pagedkv.errors import ConfigError, InputTypeError, SnapshotError
 from pagedkv.manager import COUNTERS, KVCacheManager, ManagerState
 from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import HASH_KEY_SIZES
 from pagedkv.sequence import RecordState, SequenceState, pending_layers
 from pagedkv.snapshot.format import Tensors, read_state
-from pagedkv.snapshot.pools import PoolPlan, check_allocator, check_pools
+from pagedkv.snapshot.pools import PoolPlan, SavedAllocator, check_keys, check_pools
+from pagedkv.snapshot.prefix import vouch_keys
 from pagedkv.snapshot.schema import (
     DTYPES,
     STORAGE,
@@ -42,6 +44,7 @@ from pagedkv.snapshot.schema import (
     invariants,
     is_int,
     role_of,
+    shown,
     table_json,
 )
 
@@ -49,7 +52,8 @@ __all__ = ["load", "restore"]
 
 
 def load(
-    path: str | os.PathLike[str], *, pool: KVPool | None = None, max_bytes: int | None = None
+    path: str | os.PathLike[str], *, pool: KVPool | None = None, max_bytes: int | None = None,
+    trust_cached_keys: bool = False,
 ) -> KVCache | KVCacheManager:
     """Build a fresh ``KVCache`` or ``KVCacheManager`` from a snapshot written by ``save``.
 
@@ -58,32 +62,53 @@ def load(
         pool: (cache snapshots only) a shared pool to hold the cache's
             blocks; their ids then differ, the outputs do not. By default a
             cache gets a private pool, with its saved block ids if it had one.
-        max_bytes: refuse a snapshot whose pools would take more bytes than
-            this (pages and bookkeeping of every block, free or not); the
-            default is the machine's physical memory.
+        max_bytes: refuse a snapshot whose load would take more bytes than
+            this: its tensors and parsed header, and the pools' pages and
+            bookkeeping of every block, free or not. The default is the
+            machine's physical memory.
+        trust_cached_keys: keep the prefix keys that no saved sequence
+            vouches for (those of cached free blocks). By default they are
+            dropped, since nothing in the file can prove them (see
+            :mod:`pagedkv.snapshot.prefix`); pass True only for a file you
+            wrote and nobody else could change, to keep its cache hits.
 
     Returns:
-        The new object: every later output equals the saved object's.
+        The new object: every later output equals the saved object's (with
+        ``trust_cached_keys``, also every later prefix hit).
 
     Raises:
         SnapshotError: the file is truncated, damaged, of another format or
-            version, inconsistent, or larger than ``max_bytes``; nothing is
-            built and ``pool`` is untouched.
+            version, inconsistent (forged prefix keys included), or larger
+            than ``max_bytes``; nothing is built and ``pool`` is untouched.
+        InputTypeError, ConfigError: ``path`` is not a str or ``os.PathLike``,
+            ``max_bytes`` is not an int >= 0 (NaN, floats and bools
+            included) or ``trust_cached_keys`` not a bool.
         ConfigError: ``pool`` does not fit the cache or has too few free
             blocks (unchanged), or was given for a manager snapshot.
-        ImportError: safetensors (``snapshot`` extra) or, for fp8 pages,
-            ml_dtypes (``fp8`` extra) is missing.
+        ImportError: safetensors (``snapshot`` extra), for fp8 pages
+            ml_dtypes (``fp8`` extra), or for ``"xxh3_128"`` prefix keys
+            xxhash (``xxhash`` extra) is missing.
     """
-    state, tensors = read_state(path)
-    limit = _physical_memory() if max_bytes is None else max_bytes
-    return restore(state, tensors, limit, pool)
+    limit = _physical_memory() if max_bytes is None else check_count("max_bytes", max_bytes, minimum=0)
+    if not isinstance(trust_cached_keys, bool):
+        raise InputTypeError(f"trust_cached_keys must be True or False, got {shown(trust_cached_keys)}")
+    state, tensors, num_bytes = read_state(path, limit)
+    return restore(state, tensors, (limit, num_bytes), pool, trust_cached_keys=trust_cached_keys)
 
 
-def restore(state: object, tensors: Tensors, limit: int, pool: KVPool | None) -> KVCache | KVCacheManager:
+def restore(state: object, tensors: Tensors, limit: tuple[int, int], pool: KVPool | None, *,
+            trust_cached_keys: bool = False) -> KVCache | KVCacheManager:
     """Validate ``state`` and ``tensors`` whole, then build the object they describe.
 
+    Args:
+        state: the parsed state.
+        tensors: the file's tensors.
+        limit: ``(max_bytes, bytes reading the file took)``.
+        pool: see ``load``.
+        trust_cached_keys: see ``load``.
+
     Raises:
-        SnapshotError: anything is inconsistent or larger than ``limit`` bytes.
+        SnapshotError: anything is inconsistent or the load needs more than ``max_bytes``.
         ConfigError, InputTypeError: ``pool`` does not fit (see ``load``).
     """
     root = Reader(state, "state")
@@ -92,7 +117,7 @@ def restore(state: object, tensors: Tensors, limit: int, pool: KVPool | None) ->
         return _restore_cache(root, tensors, limit, pool)
     if pool is not None:
         raise ConfigError("pool= is for cache snapshots; a manager snapshot builds its own pools")
-    return _restore_manager(root, tensors, limit)
+    return _restore_manager(root, tensors, limit, trust_cached_keys)
 
 
 def _physical_memory() -> int:
@@ -105,7 +130,7 @@ def _physical_memory() -> int:
 # ===================================================================== caches
 
 
-def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | None) -> KVCache:
+def _restore_cache(root: Reader, tensors: Tensors, limit: tuple[int, int], pool: KVPool | None) -> KVCache:
     config = root.child("cache")
     max_size = config.integer("max_size", 1, optional=True)
     block_size = config.integer("block_size", 1)
@@ -119,7 +144,6 @@ def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | No
     if set(pools.value) - {"device"}:
         fail(f"a cache snapshot holds one pool, got {sorted(pools.value)}")
     plan = PoolPlan(pools.child("device"), tensors, "device", private) if "device" in pools.value else None
-    check_pools([plan] if plan else [], tensors, limit)
     if plan is not None and plan.same_shape()[:1] + plan.same_shape()[3:] != (
         block_size, 1, dtype, key_dtype, value_dtype
     ):
@@ -128,26 +152,26 @@ def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | No
     if max_size is not None and (table.num_blocks > window_blocks(max_size, block_size)
                                  or table.num_live_tokens > max_size):
         fail(f"{config.where}.table holds more than max_size={max_size} allows")
+    # The pool this load builds: the saved one (private), one for a cache saved on a shared pool, or none.
+    num_built = 0 if plan is None or pool is not None else (
+        plan.num_blocks if private else _private_pool_blocks(max_size, block_size, table.num_blocks))
+    check_pools([plan] if plan else [], tensors, limit, [num_built] if plan else None)
     if kv_shape is not None:
         heads = tuple(ints(kv_shape, f"{config.where}.kv_shape", 1))
         if plan is None or (heads if len(heads) == 2 else (1, *heads)) != (plan.num_kv_heads, plan.head_dim):
-            fail(f"{config.where}.kv_shape = {kv_shape} does not fit the pool")
+            fail(f"{config.where}.kv_shape = {shown(kv_shape)} does not fit the pool")
     elif table.num_blocks:
         fail(f"{config.where} holds blocks but no kv_shape")
-    allocator: AllocatorState | None = None
+    allocator: SavedAllocator | None = None
     if plan is not None:
         if sorted(table.block_ids) != plan.saved_ids:
             fail("the saved pages are not exactly the cache's blocks")
         plan.check_pages()
-        _check_key_bound(plan, 0, _live_slots(table, plan.index_map()), max_abs_key)
+        _check_key_bound(plan, 0, _live_slots(table, plan), max_abs_key)
         if private:
-            held = [0] * plan.num_blocks
-            for block_id in table.block_ids:
-                held[block_id] = 1
-            allocator = plan.allocator_state(held)
+            allocator = plan.saved_allocator(Counter(table.block_ids))
             if allocator.cached or allocator.cached_free:
                 fail("a cache's private pool has no prefix cache, but blocks are marked cached")
-            check_allocator(allocator, None, "cache pool")
     if pool is not None:
         _check_target_pool(pool, plan, block_size, dtype, key_dtype, value_dtype, table.num_blocks)
     # ---- validated: from here on nothing can fail ----
@@ -163,10 +187,9 @@ def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | No
         target, new_ids = pool, pool.allocator.allocate(len(old_ids))
     elif allocator is not None:
         target, new_ids = plan.build(growable=True), old_ids  # exactly as saved
-        target.allocator._restore_state(allocator)
+        target.allocator._restore_state(allocator.state())
     else:  # it was on a shared pool: a private one, ids 0..k-1 in logical order
-        num_blocks = max(2 * window_blocks(max_size, block_size) if max_size else 4, len(old_ids))
-        target = KVPool(num_blocks, block_size=block_size, num_kv_heads=plan.num_kv_heads,
+        target = KVPool(num_built, block_size=block_size, num_kv_heads=plan.num_kv_heads,
                         head_dim=plan.head_dim, dtype=dtype, growable=True, key_dtype=key_dtype,
                         value_dtype=value_dtype)
         new_ids = target.allocator.allocate(len(old_ids))
@@ -183,6 +206,18 @@ def _restore_cache(root: Reader, tensors: Tensors, limit: int, pool: KVPool | No
         cache.close()  # gives the blocks back: a failed load leaves the pool as it was
         raise
     return cache
+
+
+def _private_pool_blocks(max_size: int | None, block_size: int, num_blocks: int) -> int:
+    """The blocks of the private pool a cache saved on a shared pool loads into.
+
+    NOTE: sized as ``KVCache`` sizes its own first pool (twice the window's
+    blocks, at most 64; 4 without a window) but never below the blocks it
+    holds: the pool is growable, and a forged ``max_size`` of 10**12 must not
+    size it.
+    """
+    first = min(2 * window_blocks(max_size, block_size), 64) if max_size is not None else 4
+    return max(first, num_blocks)
 
 
 def _check_target_pool(pool: KVPool, plan: PoolPlan | None, block_size: int, dtype: np.dtype[Any],
@@ -204,7 +239,9 @@ def _check_target_pool(pool: KVPool, plan: PoolPlan | None, block_size: int, dty
 # =================================================================== managers
 
 
-def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManager:
+def _restore_manager(
+    root: Reader, tensors: Tensors, limit: tuple[int, int], trust_cached_keys: bool
+) -> KVCacheManager:
     config, pools = root.child("manager"), root.child("pools")
     if "device" not in pools.value or set(pools.value) - {"device", "host"}:
         fail(f"a manager snapshot holds a device pool and maybe a host pool, got {sorted(pools.value)}")
@@ -217,7 +254,7 @@ def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManag
     num_layers, bs = device.num_layers, device.block_size
     windows = config.get("layer_max_sizes", list)
     if len(windows) != num_layers or not all(w is None or (is_int(w) and w >= 1) for w in windows):
-        fail(f"{config.where}.layer_max_sizes = {windows!r:.60} does not fit {num_layers} layers")
+        fail(f"{config.where}.layer_max_sizes = {shown(windows)} does not fit {num_layers} layers")
     num_sinks = config.integer("num_sink_tokens")
     num_q_heads = config.integer("num_q_heads", 1)
     if num_q_heads % device.num_kv_heads:
@@ -232,7 +269,7 @@ def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManag
     ):
         fail(f"{config.where}.max_abs_key must hold {num_layers} finite numbers >= 0")
     counters = {name: config.child("counters").integer(name) for name in COUNTERS}
-    held = {role: [0] * plan.num_blocks for role, plan in plans.items()}
+    held: dict[str, Counter[int]] = {role: Counter() for role in plans}  # tables holding each block
     records: dict[Hashable, RecordState] = {}
     tables: dict[Hashable, BlockTable] = {}
     for number, raw in enumerate(config.get("sequences", list)):
@@ -241,8 +278,7 @@ def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManag
         if record.seq_id in records:
             fail(f"sequence id {record.seq_id!r} appears twice")
         records[record.seq_id], tables[record.seq_id] = record, table
-        for block_id in table.block_ids:
-            held[role_of(record.state)][block_id] += 1
+        held[role_of(record.state)].update(table.block_ids)
     keys: list[tuple[int, bytes]] = []
     num_evictions = 0
     if prefix_on:
@@ -251,36 +287,39 @@ def _restore_manager(root: Reader, tensors: Tensors, limit: int) -> KVCacheManag
         for entry in prefix.get("keys", list):
             if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0])
                     and 0 <= entry[0] < device.num_blocks):
-                fail(f"{prefix.where}.keys holds {entry!r:.60}; expected [block_id, hex key] pairs")
+                fail(f"{prefix.where}.keys holds {shown(entry)}; expected [block_id, hex key] pairs")
             key_size = HASH_KEY_SIZES[hash_algorithm]
             keys.append((entry[0], hex_bytes(entry[1], f"{prefix.where}.keys", key_size)))
     elif config.get("prefix", dict, optional=True) is not None:
         fail(f"{config.where}.prefix is given but prefix caching is off")
-    allocators: dict[str, AllocatorState] = {}
+    allocators: dict[str, SavedAllocator] = {}
     for role, plan in plans.items():
-        allocator = allocators[role] = plan.allocator_state(held[role])
-        check_allocator(allocator, keys if role == "device" and prefix_on else None, role)
-        in_use = {b for b, n in enumerate(held[role]) if n} | set(allocator.cached)
-        if set(plan.saved_ids) != in_use:
+        allocator = allocators[role] = plan.saved_allocator(held[role])
+        check_keys(allocator, keys if role == "device" and prefix_on else None, role)
+        if set(plan.saved_ids) != held[role].keys() | set(allocator.cached):
             fail(f"the {role} pages saved are not exactly the blocks in use or cached")
         plan.check_pages()
-        index_map = plan.index_map()
-        cached = index_map[np.array(allocator.cached, np.intp)]
+        cached = plan.saved_index(np.array(allocator.cached, np.intp))
         slots = [(cached[:, None] * bs + np.arange(bs)).ravel()]
-        slots += [_live_slots(tables[seq_id], index_map) for seq_id, record in records.items()
+        slots += [_live_slots(tables[seq_id], plan) for seq_id, record in records.items()
                   if role_of(record.state) == role]
         for layer in range(num_layers):
             _check_key_bound(plan, layer, np.concatenate(slots), float(max_abs_key[layer]))
+    saved_records, unkeyed = list(records.values()), set[int]()
+    if prefix_on:
+        vouched = vouch_keys(saved_records, tables, keys, bs, hash_algorithm, trust=trust_cached_keys)
+        saved_records, keys, unkeyed = vouched.records, vouched.keys, vouched.unkeyed
     # ---- validated: from here on nothing can fail ----
-    built = {role: plan.build(growable=False) for role, plan in plans.items()}
-    for role, plan in plans.items():
+    built: dict[str, KVPool] = {}
+    for role, plan in plans.items():  # one pool at a time: its state's Python ints live only here
+        built[role] = plan.build(growable=False)
         plan.write_pages(built[role], plan.saved_ids)
-        built[role].allocator._restore_state(allocators[role])
+        built[role].allocator._restore_state(allocators[role].state(unkeyed if role == "device" else set()))
     manager = KVCacheManager(built["device"], layer_max_sizes=windows, num_sink_tokens=num_sinks,
                              num_q_heads=num_q_heads, scale=scale, host_pool=built.get("host"),
                              enable_prefix_caching=prefix_on, hash_algorithm=hash_algorithm)
     manager._restore_state(ManagerState(
-        max_abs_key=[float(x) for x in max_abs_key], counters=counters, records=list(records.values()),
+        max_abs_key=[float(x) for x in max_abs_key], counters=counters, records=saved_records,
         prefix_keys=keys, num_prefix_evictions=num_evictions,
     ))
     invariants(manager.check_invariants, "manager")
@@ -293,7 +332,7 @@ def _record(reader: Reader, plans: dict[str, PoolPlan], num_sinks: int, num_laye
     raw_id = reader.get("seq_id", list)
     if not (len(raw_id) == 2 and ((raw_id[0] == "s" and isinstance(raw_id[1], str))
                                   or (raw_id[0] == "i" and is_int(raw_id[1])))):
-        fail(f"{reader.where}.seq_id = {raw_id!r:.60}; expected ['s', str] or ['i', int]")
+        fail(f"{reader.where}.seq_id = {shown(raw_id)}; expected ['s', str] or ['i', int]")
     state = SequenceState(reader.choice("state", tuple(s.value for s in SequenceState)))
     role = role_of(state)
     if role not in plans:
@@ -334,14 +373,14 @@ def _table(reader: Reader, block_size: int, num_sink_tokens: int, num_blocks: in
     return table
 
 
-def _live_slots(table: BlockTable, index_map: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+def _live_slots(table: BlockTable, plan: PoolPlan) -> npt.NDArray[np.intp]:
     """Live tokens of ``table`` as ``saved_index * block_size + offset``."""
     ranges = table.live_ranges()
     if not table.num_blocks or not ranges:
         return np.empty(0, np.intp)
     slots = table.slot_array(ranges)
     bs = table.block_size
-    index = index_map[slots // bs]
+    index = plan.saved_index(slots // bs)
     if np.any(index < 0):
         fail(f"block {int(slots[index < 0][0]) // bs} is in a block table but its pages are not saved")
     result: npt.NDArray[np.intp] = index * bs + slots % bs

@@ -1,0 +1,613 @@
+"""Manager bookkeeping per request and per step, side by side with vLLM's real ``KVCacheManager``.
+
+Run: ``python benchmarks/bench_requests.py --vllm PATH`` (``--quick`` for a
+smoke run), where ``PATH`` is a vLLM wheel or a folder holding its ``vllm/``
+package. Get one without installing it (its dependencies, torch included, are
+not needed)::
+
+    pip download --no-deps vllm==0.33.0 -d /tmp/vllm
+
+vLLM's side is vLLM's own code, unmodified: ``vllm/v1/core/{kv_cache_manager,
+kv_cache_coordinator, single_type_kv_cache_manager, block_pool,
+kv_cache_utils, kv_cache_metrics}.py``, ``vllm/v1/request.py``,
+``vllm/v1/kv_cache_interface.py`` and the few small modules they need are
+imported straight from the wheel's files; every other import (torch, msgspec,
+zmq, vLLM's config, logging and metrics) is a stub that does nothing, and two
+tiny helpers the request needs (``ConstantList``,
+``length_from_prompt_token_ids_or_embeds``) are compiled from their own source
+in the wheel. Nothing of vLLM is copied into this repository, and vLLM is not a
+dependency of pagedkv. Without ``--vllm`` the vLLM columns are left empty.
+
+Workloads (block_size 16, 4,096 blocks, one kv-cache group / one layer, tiny
+storage: pagedkv's pool holds ``(1 head, head_dim 8)`` float32 per token and
+``write`` copies it; vLLM moves no data at all):
+
+* request cycle: a 512-token prompt admitted (vLLM: ``Request`` built,
+  ``get_computed_blocks`` then ``allocate_slots``; pagedkv: ``add_sequence``
+  with the prompt, ``reserve`` of the prompt, ``write``), 128 single-token
+  decodes (vLLM: ``append_output_token_ids`` + ``allocate_slots(1)``; pagedkv:
+  ``reserve`` + ``write``), then ``free``. Caching off, and caching on with
+  every prompt new (a miss; vLLM hashes with sha256 over pickle, pagedkv with
+  sha256 over packed int64, both every full block);
+* one decode call: the per-call split of the cycle's decodes (median of
+  samples of 128 calls), with the copy alone (``pool.write_one`` of one token)
+  measured apart so that "reserve + write - copy" is the bookkeeping;
+* admission: the cycle's admission alone, caching off;
+* a decode step of 64 sequences (128-token prompts): 64 separate calls versus
+  one ``reserve`` of all 64 (and one ``write``).
+
+pagedkv runs twice: the default manager, and ``trusted_inputs=True`` (the
+engine vouches for its k/v values: their NaN/infinity/magnitude scan is
+skipped; the batch, state, shape and dtype checks all stay).
+
+Timings: CPU time (``process_time``) of whole samples, medians; the rows take
+turns sample by sample (round-robin, the order rotating each round) so that
+load on this shared machine hits every row alike. The per-call split inside a
+sample reads ``perf_counter_ns`` around each call (a vDSO clock, its own cost
+measured and subtracted). BLAS is pinned to one thread (nothing here calls
+it). Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, overload
+
+import numpy as np
+from common import footer, header
+from threadpoolctl import threadpool_limits
+
+from pagedkv import KVCacheManager, KVPool
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096
+PROMPT = 512
+NUM_DECODES = 128
+STEP_SEQS = 64
+STEP_PROMPT = 128
+HEAD_DIM = 8
+DTYPE = np.float32
+
+# ----------------------------------------------------------------------------
+# vLLM's core, imported from its wheel with everything heavy stubbed.
+# ----------------------------------------------------------------------------
+
+#: The vLLM modules run as they are; every other ``vllm.*`` import is a stub.
+VLLM_REAL = {
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.kv_cache_metrics",
+    "vllm.v1.request",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.kv_cache_spec_registry",
+    "vllm.v1.kv_cache_layout",
+    "vllm.v1.hisparse.block_pool",
+    "vllm.utils.math_utils",
+    "vllm.utils.hashing",
+}
+_STUBBED_TOPS = ("vllm", "torch", "cbor2", "msgspec", "zmq")
+
+
+class _Anything:
+    """What a stubbed name is: accepts any call, attribute or subscript and does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Anything()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __getitem__(self, item: Any) -> Any:
+        return _Anything()
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class _AnythingType(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything()
+
+    def __or__(cls, other: Any) -> Any:
+        return cls
+
+    def __ror__(cls, other: Any) -> Any:
+        return cls
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        full = f"{self.__name__}.{name}"
+        if full in VLLM_REAL:
+            return importlib.import_module(full)
+        made = _AnythingType(name, (_Anything,), {"__module__": self.__name__})
+        setattr(self, name, made)
+        return made
+
+
+class _VllmFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Real files for ``VLLM_REAL``, stubs for every other vllm/torch/... module."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name.split(".")[0] not in _STUBBED_TOPS:
+            return None
+        if name in VLLM_REAL:
+            return importlib.util.spec_from_file_location(name, os.path.join(self.root, *name.split(".")) + ".py")
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _compile_from_source(root: str, path: str, names: set[str], namespace: dict[str, Any]) -> dict[str, Any]:
+    """Run only the top-level definitions ``names`` of ``root/path`` (vLLM's own source) in ``namespace``."""
+    with open(os.path.join(root, path), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    body = [node for node in tree.body if getattr(node, "name", None) in names]
+    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), namespace)
+    return namespace
+
+
+def _vllm_root(path: str) -> tuple[str, str]:
+    """A folder holding ``vllm/`` (the wheel's .py files extracted when ``path`` is a wheel), and the version."""
+    if os.path.isdir(path):
+        root = path
+    else:
+        root = tempfile.mkdtemp(prefix="vllm-core-")
+        with zipfile.ZipFile(path) as wheel:
+            wheel.extractall(root, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+    version = "?"
+    try:
+        with open(os.path.join(root, "vllm", "_version.py"), encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith(("__version__", "version")) and "=" in line:
+                    version = line.rsplit("=", 1)[1].strip().strip("'\"")
+                    break
+    except OSError:
+        pass
+    return root, version
+
+
+def load_vllm(path: str) -> tuple[types.SimpleNamespace, str]:
+    """vLLM's ``KVCacheManager`` and friends, from a wheel or an extracted folder."""
+    root, version = _vllm_root(path)
+    sys.meta_path.insert(0, _VllmFinder(root))
+    envs = importlib.import_module("vllm.envs")
+    envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES = False  # type: ignore[attr-defined]
+    importlib.import_module("vllm.logger").init_logger = logging.getLogger  # type: ignore[attr-defined]
+    v1_utils = importlib.import_module("vllm.v1.utils")
+    generic = {"Generic": Generic, "Sequence": Sequence, "T": TypeVar("T"), "overload": overload}
+    v1_utils.ConstantList = _compile_from_source(  # type: ignore[attr-defined]
+        root, "vllm/v1/utils.py", {"ConstantList"}, generic
+    )["ConstantList"]
+    utils = importlib.import_module("vllm.utils")
+    utils.length_from_prompt_token_ids_or_embeds = _compile_from_source(  # type: ignore[attr-defined]
+        root, "vllm/utils/__init__.py", {"length_from_prompt_token_ids_or_embeds"},
+        {"torch": importlib.import_module("torch")},
+    )["length_from_prompt_token_ids_or_embeds"]
+
+    class NoStructuredOutput:
+        @staticmethod
+        def from_sampling_params(sampling_params: Any) -> None:
+            return None
+
+    importlib.import_module("vllm.v1.structured_output.request").StructuredOutputRequest = (  # type: ignore[attr-defined]
+        NoStructuredOutput
+    )
+    modules = types.SimpleNamespace(
+        manager=importlib.import_module("vllm.v1.core.kv_cache_manager"),
+        utils=importlib.import_module("vllm.v1.core.kv_cache_utils"),
+        request=importlib.import_module("vllm.v1.request"),
+        interface=importlib.import_module("vllm.v1.kv_cache_interface"),
+        hashing=importlib.import_module("vllm.utils.hashing"),
+    )
+    return modules, version
+
+
+class VllmSide:
+    """The workloads on vLLM's ``KVCacheManager``, as its scheduler calls it."""
+
+    def __init__(self, vllm: types.SimpleNamespace, caching: bool) -> None:
+        interface = vllm.interface
+        spec = interface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=HEAD_DIM, dtype="f32")
+        config = interface.KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[interface.KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        self.manager = vllm.manager.KVCacheManager(
+            config, max_model_len=16384, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
+            enable_caching=caching,
+        )
+        hash_fn = vllm.hashing.sha256
+        vllm.utils.init_none_hash(hash_fn)
+        self.hasher = vllm.utils.get_request_block_hasher(BLOCK_SIZE, hash_fn) if caching else None
+        self.request_class = vllm.request.Request
+        self.params = types.SimpleNamespace(max_tokens=NUM_DECODES, extra_args=None, skip_reading_prefix_cache=False)
+        self.num_requests = 0
+
+    def new_request(self, prompt: list[int]) -> Any:
+        self.num_requests += 1
+        return self.request_class(str(self.num_requests), prompt, self.params, None, block_hasher=self.hasher)
+
+    def admit(self, request: Any) -> None:
+        manager = self.manager
+        blocks, num_hit, _ = manager.get_computed_blocks(request)
+        if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks) is None:
+            raise AssertionError("vLLM ran out of blocks")
+        request.num_computed_tokens = request.num_tokens
+
+    def decode(self, request: Any, token: int) -> None:
+        request.append_output_token_ids(token)
+        if self.manager.allocate_slots(request, 1) is None:
+            raise AssertionError("vLLM ran out of blocks")
+        request.num_computed_tokens += 1
+
+    def cycle(self, prompt: list[int]) -> None:
+        request = self.new_request(prompt)
+        self.admit(request)
+        for _ in range(NUM_DECODES):
+            self.decode(request, 7)
+        self.manager.free(request)
+
+
+class PagedSide:
+    """The workloads on pagedkv's ``KVCacheManager``."""
+
+    def __init__(self, caching: bool, trusted: bool) -> None:
+        self.pool = KVPool(NUM_BLOCKS, block_size=BLOCK_SIZE, head_dim=HEAD_DIM, dtype=DTYPE)
+        options: dict[str, Any] = {"enable_prefix_caching": caching}
+        if trusted:
+            options["trusted_inputs"] = True
+        self.manager = KVCacheManager(self.pool, **options)
+        self.caching = caching
+        rng = np.random.default_rng(0)
+        self.kv = {n: rng.standard_normal((n, 1, HEAD_DIM), dtype=DTYPE) for n in (1, STEP_SEQS, STEP_PROMPT, PROMPT)}
+        self.num_seqs = 0
+
+    def admit(self, prompt: list[int]) -> int:
+        manager = self.manager
+        self.num_seqs += 1
+        seq_id = self.num_seqs
+        num_hit = manager.add_sequence(seq_id, prompt)
+        rest = prompt[num_hit:]
+        batch = manager.reserve({seq_id: rest if self.caching else len(rest)})
+        manager.write(0, batch, self.kv[len(rest)], self.kv[len(rest)])
+        return seq_id
+
+    def decode(self, seq_id: int, token: int) -> None:
+        batch = self.manager.reserve({seq_id: [token] if self.caching else 1})
+        self.manager.write(0, batch, self.kv[1], self.kv[1])
+
+    def cycle(self, prompt: list[int]) -> None:
+        seq_id = self.admit(prompt)
+        for _ in range(NUM_DECODES):
+            self.decode(seq_id, 7)
+        self.manager.free(seq_id)
+
+
+# ----------------------------------------------------------------------------
+# Timing.
+# ----------------------------------------------------------------------------
+
+
+def prompts(length: int) -> Iterator[list[int]]:
+    """New prompts forever (every one a prefix-cache miss)."""
+    start = 1000
+    while True:
+        yield list(range(start, start + length))
+        start += length
+
+
+def _clock_cost_ns() -> float:
+    """What one ``perf_counter_ns`` pair costs, to subtract from split timings."""
+    clock = time.perf_counter_ns
+    costs = []
+    for _ in range(2000):
+        t0 = clock()
+        t1 = clock()
+        costs.append(t1 - t0)
+    return statistics.median(costs)
+
+
+Sample = Callable[[], dict[str, float]]
+
+
+def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float]]:
+    """Median of each row's reported values (seconds per unit), rows interleaved round-robin."""
+    names = list(rows)
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        rows[name]()
+    gc.collect()
+    gc.disable()
+    try:
+        for index in range(repeats):
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name].append(rows[name]())
+    finally:
+        gc.enable()
+    return {
+        name: {key: statistics.median(s[key] for s in values) for key in values[0]}
+        for name, values in samples.items()
+    }
+
+
+def cycle_rows(vllm: types.SimpleNamespace | None, caching: bool, num_cycles: int) -> dict[str, Sample]:
+    """Request cycles: CPU seconds per cycle."""
+    sides: dict[str, Any] = {}
+    if vllm is not None:
+        sides["vLLM"] = VllmSide(vllm, caching)
+    sides["pagedkv"] = PagedSide(caching, trusted=False)
+    sides["pagedkv trusted"] = PagedSide(caching, trusted=True)
+    rows: dict[str, Sample] = {}
+    for name, side in sides.items():
+        source = prompts(PROMPT)
+
+        def sample(side: Any = side, source: Iterator[list[int]] = source) -> dict[str, float]:
+            batch = [next(source) for _ in range(num_cycles)]
+            t0 = time.process_time()
+            for prompt in batch:
+                side.cycle(prompt)
+            return {"cycle": (time.process_time() - t0) / num_cycles}
+
+        rows[name] = sample
+    return rows
+
+
+def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, Sample]:
+    """Per-call times of admission and decode, caching off (seconds per call)."""
+    clock = time.perf_counter_ns
+    rows: dict[str, Sample] = {}
+    if vllm is not None:
+        side = VllmSide(vllm, caching=False)
+        source = prompts(PROMPT)
+
+        def vllm_sample() -> dict[str, float]:
+            request = side.new_request(next(source))
+            t0 = clock()
+            side.admit(request)
+            admit = clock() - t0 - clock_ns
+            append = allocate = 0.0
+            for _ in range(NUM_DECODES):
+                t0 = clock()
+                request.append_output_token_ids(7)
+                t1 = clock()
+                side.manager.allocate_slots(request, 1)
+                request.num_computed_tokens += 1
+                t2 = clock()
+                append += t1 - t0 - clock_ns
+                allocate += t2 - t1 - clock_ns
+            side.manager.free(request)
+            return {"admit": admit * 1e-9, "append": append / NUM_DECODES * 1e-9,
+                    "allocate": allocate / NUM_DECODES * 1e-9}
+
+        rows["vLLM"] = vllm_sample
+    for trusted in (False, True):
+        paged = PagedSide(caching=False, trusted=trusted)
+        paged_source = prompts(PROMPT)
+
+        def paged_sample(paged: PagedSide = paged, source: Iterator[list[int]] = paged_source) -> dict[str, float]:
+            manager, pool = paged.manager, paged.pool
+            kv = paged.kv[1]
+            prompt = next(source)
+            paged.num_seqs += 1
+            seq_id = paged.num_seqs
+            t0 = clock()
+            manager.add_sequence(seq_id, prompt)
+            batch = manager.reserve({seq_id: PROMPT})
+            admit = clock() - t0 - clock_ns
+            manager.write(0, batch, paged.kv[PROMPT], paged.kv[PROMPT])
+            reserve = write = copy = 0.0
+            key, value = kv[0], kv[0]
+            for _ in range(NUM_DECODES):
+                t0 = clock()
+                batch = manager.reserve({seq_id: 1})
+                t1 = clock()
+                manager.write(0, batch, kv, kv)
+                t2 = clock()
+                pool.write_one(0, 4095, 3, key, value)  # the copy alone, into a block nobody reads
+                t3 = clock()
+                reserve += t1 - t0 - clock_ns
+                write += t2 - t1 - clock_ns
+                copy += t3 - t2 - clock_ns
+            manager.free(seq_id)
+            return {"admit": admit * 1e-9, "reserve": reserve / NUM_DECODES * 1e-9,
+                    "write": write / NUM_DECODES * 1e-9, "copy": copy / NUM_DECODES * 1e-9}
+
+        rows["pagedkv trusted" if trusted else "pagedkv"] = paged_sample
+    return rows
+
+
+def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, Sample]:
+    """One decode step of ``STEP_SEQS`` sequences (seconds per step), caching off."""
+    clock = time.perf_counter_ns
+    rows: dict[str, Sample] = {}
+    num_steps = 32  # steps per batch of sequences, then they are freed and new ones admitted
+    if vllm is not None:
+        side = VllmSide(vllm, caching=False)
+        source = prompts(STEP_PROMPT)
+        live: list[Any] = []
+        steps = [num_steps]
+
+        def vllm_step() -> dict[str, float]:
+            if steps[0] == num_steps:
+                for request in live:
+                    side.manager.free(request)
+                live[:] = [side.new_request(next(source)) for _ in range(STEP_SEQS)]
+                for request in live:
+                    side.admit(request)
+                steps[0] = 0
+            steps[0] += 1
+            t0 = clock()
+            for request in live:
+                side.decode(request, 7)
+            return {"separate": (clock() - t0 - clock_ns) * 1e-9}
+
+        rows["vLLM"] = vllm_step
+    for trusted in (False, True):
+        paged = PagedSide(caching=False, trusted=trusted)
+        paged_source = prompts(STEP_PROMPT)
+        paged_live: list[int] = []
+        paged_steps = [num_steps]
+
+        def paged_step(
+            paged: PagedSide = paged, source: Iterator[list[int]] = paged_source,
+            live: list[int] = paged_live, steps: list[int] = paged_steps,
+        ) -> dict[str, float]:
+            manager = paged.manager
+            if steps[0] >= num_steps:
+                for seq_id in live:
+                    manager.free(seq_id)
+                live[:] = [paged.admit(next(source)) for _ in range(STEP_SEQS)]
+                steps[0] = 0
+            steps[0] += 2
+            kv, kv_all = paged.kv[1], paged.kv[STEP_SEQS]
+            reserve = write = 0.0
+            for seq_id in live:
+                t0 = clock()
+                batch = manager.reserve({seq_id: 1})
+                t1 = clock()
+                manager.write(0, batch, kv, kv)
+                t2 = clock()
+                reserve += t1 - t0 - clock_ns
+                write += t2 - t1 - clock_ns
+            requests = dict.fromkeys(live, 1)
+            t0 = clock()
+            batch = manager.reserve(requests)
+            t1 = clock()
+            manager.write(0, batch, kv_all, kv_all)
+            t2 = clock()
+            return {"separate reserve": reserve * 1e-9, "separate write": write * 1e-9,
+                    "batched reserve": (t1 - t0 - clock_ns) * 1e-9, "batched write": (t2 - t1 - clock_ns) * 1e-9}
+
+        rows["pagedkv trusted" if trusted else "pagedkv"] = paged_step
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# Reporting.
+# ----------------------------------------------------------------------------
+
+
+def _us(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _rate(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{1 / seconds / 1e3:.2f} k"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm", help="a vLLM wheel, or a folder holding its vllm/ package")
+    parser.add_argument("--repeats", type=int, default=31, help="samples per row")
+    parser.add_argument("--cycles", type=int, default=8, help="request cycles per sample")
+    parser.add_argument("--quick", action="store_true", help="3 samples of 2 cycles: a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.cycles = 3, 2
+    vllm, version = load_vllm(args.vllm) if args.vllm else (None, "not measured (no --vllm)")
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        clock_ns = _clock_cost_ns()
+        parameters = [
+            f"vLLM: {version}" + (f", its real v1 core from {args.vllm} (heavy imports stubbed)" if vllm else ""),
+            f"parameters: block_size {BLOCK_SIZE}, {NUM_BLOCKS} blocks, 1 layer; pagedkv pool "
+            f"(1 kv head, head_dim {HEAD_DIM}, {np.dtype(DTYPE).name}); request cycle = {PROMPT}-token "
+            f"prompt + {NUM_DECODES} single-token decodes + free; step = {STEP_SEQS} sequences "
+            f"of {STEP_PROMPT}-token prompts, one token each",
+            f"timing: medians of {args.repeats} interleaved samples, CPU time (process_time) for "
+            f"cycles ({args.cycles} a sample), perf_counter_ns around each call for the splits "
+            f"(its cost, {clock_ns:.0f} ns a pair, subtracted)",
+        ]
+        print(header("Manager bookkeeping against vLLM (benchmarks/bench_requests.py)", parameters))
+
+        print("\n### Request cycles (cycles per second)\n")
+        print("| workload | vLLM | pagedkv | pagedkv trusted | pagedkv / vLLM |")
+        print("|---|---:|---:|---:|---:|")
+        for caching in (False, True):
+            medians = run_rows(cycle_rows(vllm, caching, args.cycles), args.repeats)
+            ours = medians["pagedkv"]["cycle"]
+            theirs = medians.get("vLLM", {}).get("cycle")
+            ratio = f"{theirs / ours:.2f}" if theirs else "–"
+            label = "caching on, a miss" if caching else "caching off"
+            print(f"| {label} | {_rate(theirs)} | {_rate(ours)} | "
+                  f"{_rate(medians['pagedkv trusted']['cycle'])} | {ratio} |")
+
+        splits = run_rows(split_rows(vllm, clock_ns), args.repeats * 2)
+        print("\n### One call (µs), caching off\n")
+        print("| call | vLLM | pagedkv | pagedkv trusted |")
+        print("|---|---:|---:|---:|")
+        v = splits.get("vLLM", {})
+        p, t = splits["pagedkv"], splits["pagedkv trusted"]
+        print(f"| admission: lookup + reserve {PROMPT} tokens | {_us(v.get('admit'))} | "
+              f"{_us(p['admit'])} | {_us(t['admit'])} |")
+        print(f"| decode: append_output_token_ids (vLLM) | {_us(v.get('append'))} | | |")
+        print(f"| decode: allocate_slots(1) / reserve(1) | {_us(v.get('allocate'))} | "
+              f"{_us(p['reserve'])} | {_us(t['reserve'])} |")
+        print(f"| decode: write(1), copy included | – | {_us(p['write'])} | {_us(t['write'])} |")
+        print(f"| decode: the copy alone (pool.write_one) | – | {_us(p['copy'])} | {_us(t['copy'])} |")
+        print(f"| decode: reserve + write - copy (bookkeeping) | {_us(v.get('allocate'))} | "
+              f"{_us(p['reserve'] + p['write'] - p['copy'])} | {_us(t['reserve'] + t['write'] - t['copy'])} |")
+
+        steps = run_rows(step_rows(vllm, clock_ns), args.repeats * 2)
+        print(f"\n### A decode step of {STEP_SEQS} sequences (µs a step), caching off\n")
+        print("| calls | vLLM | pagedkv | pagedkv trusted |")
+        print("|---|---:|---:|---:|")
+        v = steps.get("vLLM", {})
+        p, t = steps["pagedkv"], steps["pagedkv trusted"]
+        print(f"| {STEP_SEQS} separate allocate_slots / reserve | {_us(v.get('separate'))} | "
+              f"{_us(p['separate reserve'])} | {_us(t['separate reserve'])} |")
+        print(f"| {STEP_SEQS} separate reserve + write | – | {_us(p['separate reserve'] + p['separate write'])} | "
+              f"{_us(t['separate reserve'] + t['separate write'])} |")
+        print(f"| one reserve of {STEP_SEQS} | – | {_us(p['batched reserve'])} | {_us(t['batched reserve'])} |")
+        print(f"| one reserve + one write of {STEP_SEQS} | – | {_us(p['batched reserve'] + p['batched write'])} | "
+              f"{_us(t['batched reserve'] + t['batched write'])} |")
+        print(f"| separate / batched reserve | – | {p['separate reserve'] / p['batched reserve']:.2f} | "
+              f"{t['separate reserve'] / t['batched reserve']:.2f} |")
+        print()
+        print(footer())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
