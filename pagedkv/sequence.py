@@ -13,6 +13,7 @@ blocks the records of one state hold (:class:`SequenceHolder`).
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,19 @@ class SequenceRecord:
         * every entry of ``num_written`` is at most ``table.num_tokens``;
         * a PREEMPTED record holds no blocks;
         * with prefix keying on, ``token_ids`` has one id per token and
-          ``block_keys`` no key for a block some layer has not written.
+          ``block_keys`` no key for a block some layer has not written;
+        * ``prompt_keys`` (keys computed at admission for the blocks after
+          ``block_keys``) name blocks wholly inside ``prompt_tokens``, whose
+          ids equal the record's own ids wherever both have them; keying off
+          (``token_ids is None``) means no prompt keys.
+
+    NOTE: prompt keys are how each block of a request is hashed once. The
+    lookup at admission hashes the prompt's full blocks anyway; the keys
+    past the hit are kept here, and each is registered as it stands when its
+    block is full and written, instead of being hashed again. Every
+    reservation's token ids are compared with ``prompt_tokens`` (one bytes
+    comparison); from the first id that differs on, the prompt keys are
+    dropped, so a kept key always names its block's contents.
     """
 
     __slots__ = (
@@ -98,6 +111,8 @@ class SequenceRecord:
         "block_keys",
         "extras",
         "num_written",
+        "prompt_keys",
+        "prompt_tokens",
         "reservation_id",
         "seq_id",
         "state",
@@ -121,6 +136,10 @@ class SequenceRecord:
         self.token_ids: list[int] | None = []
         self.block_keys: list[bytes] = []
         self.extras = b""
+        #: Keys computed ahead at admission for logical blocks ``len(block_keys)`` on,
+        #: and the packed token ids (int64 bytes, from index 0) they were computed from.
+        self.prompt_keys: list[bytes] = []
+        self.prompt_tokens = b""
 
     def fork(self, child: Hashable) -> SequenceRecord:
         """A record for ``child`` with a copy of this table and keys (the caller shares the blocks)."""
@@ -129,7 +148,41 @@ class SequenceRecord:
         twin.token_ids = None if self.token_ids is None else list(self.token_ids)
         twin.block_keys = list(self.block_keys)
         twin.extras = self.extras
+        twin.prompt_keys = list(self.prompt_keys)
+        twin.prompt_tokens = self.prompt_tokens
         return twin
+
+    def extend_tokens(self, token_ids: list[int], packed: bytes) -> None:
+        """Append the ids of newly reserved tokens (``packed``: their int64 bytes), if keying is on.
+
+        Prompt keys whose blocks the new ids do not match are dropped, from
+        the first block that differs on (see the class docstring).
+        """
+        own = self.token_ids
+        if own is None:
+            return  # keying is off for this sequence: its ids are not kept
+        start = len(own)
+        own.extend(token_ids)
+        if not self.prompt_keys:
+            return
+        reference = self.prompt_tokens[8 * start : 8 * start + len(packed)]
+        if packed.startswith(reference):
+            return
+        first = next(i for i in range(0, len(reference), 8) if packed[i : i + 8] != reference[i : i + 8])
+        block_size = self.table.block_size
+        self.drop_prompt_keys((start + first // 8) // block_size)
+
+    def drop_prompt_keys(self, logical_block: int = 0) -> None:
+        """Forget the prompt keys of logical blocks from ``logical_block`` on."""
+        del self.prompt_keys[max(0, logical_block - len(self.block_keys)) :]
+        if not self.prompt_keys:
+            self.prompt_tokens = b""
+
+    def stop_keying(self) -> None:
+        """Forget this sequence's token ids for good: its blocks are never keyed from here on."""
+        self.token_ids = None
+        self.prompt_keys = []
+        self.prompt_tokens = b""
 
     def pending_layers(self) -> list[int]:
         """Layers that have not written every reserved token."""
@@ -164,10 +217,25 @@ class SequenceRecord:
                 raise AssertionError(f"{name}: token ids and table disagree")
             if len(self.block_keys) > min(self.num_written) // self.table.block_size:
                 raise AssertionError(f"{name} has keys for unwritten blocks")
+        if self.prompt_keys:
+            self._check_prompt_keys(name)
         if self.state is SequenceState.PREEMPTED and self.table.num_blocks:
             raise AssertionError(f"preempted {name} still holds blocks")
         if any(n > self.table.num_tokens for n in self.num_written):
             raise AssertionError(f"{name} has more written than reserved")
+
+    def _check_prompt_keys(self, name: str) -> None:
+        block_bytes = 8 * self.table.block_size
+        end = (len(self.block_keys) + len(self.prompt_keys)) * block_bytes
+        if self.token_ids is None:
+            raise AssertionError(f"{name} keeps prompt keys with keying off")
+        if end > len(self.prompt_tokens):
+            raise AssertionError(f"{name} has prompt keys past its prompt")
+        start = len(self.block_keys) * block_bytes
+        num_own = min(len(self.token_ids) * 8, end)
+        own = array("q", self.token_ids[start // 8 : num_own // 8]).tobytes()
+        if start < num_own and own != self.prompt_tokens[start:num_own]:
+            raise AssertionError(f"{name} keeps prompt keys for blocks whose ids differ from its prompt")
 
     def export_state(self) -> RecordState:
         """This record as plain values (copies)."""
