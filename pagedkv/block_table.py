@@ -30,7 +30,7 @@ from itertools import islice, pairwise
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.counts import ceil_div
+from pagedkv.counts import ceil_div, check_count
 from pagedkv.errors import BlockTableError
 from pagedkv.read_plan import ReadPlan
 
@@ -98,11 +98,14 @@ class BlockTable:
         """Create an empty table.
 
         Args:
-            block_size: token slots per block (validated by the owner).
+            block_size: token slots per block.
             num_sink_tokens: leading tokens that are never evicted.
+
+        Raises:
+            InputTypeError, ConfigError: a size is not an int (>= 1; sinks >= 0).
         """
-        self.block_size = block_size
-        self.num_sink_tokens = num_sink_tokens
+        self.block_size = check_count("block_size", block_size)
+        self.num_sink_tokens = check_count("num_sink_tokens", num_sink_tokens, minimum=0)
         self.num_sink_blocks = ceil_div(num_sink_tokens, block_size)
         #: Logical length: every token ever appended, evicted ones included.
         self.num_tokens = 0

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.block_table import BlockTable
-from pagedkv.errors import SequenceStateError
+from pagedkv.errors import SequenceStateError, ShapeError
 from pagedkv.manager import KVCacheManager, SequenceState
 
 __all__ = ["PagedCSR", "flashinfer_csr", "slot_mapping"]
@@ -105,6 +106,15 @@ def slot_mapping(
     >>> slot_mapping([3, 7], [0, 5], 4).tolist()
     [12, 29]
     """
-    table = BlockTable.restored(block_size, 0, len(block_ids) * block_size, 0, list(block_ids))
-    slots = table.slot_array([(position, position + 1) for position in positions])
+    num_slots = len(block_ids) * block_size
+    bad = [
+        p for p in positions if isinstance(p, bool) or not isinstance(p, Integral) or not 0 <= p < num_slots
+    ]
+    if bad:
+        raise ShapeError(
+            f"position {bad[0]!r} is not a logical index of this table (0 to {num_slots - 1}: "
+            f"{len(block_ids)} blocks of {block_size})"
+        )
+    table = BlockTable.restored(block_size, 0, num_slots, 0, list(block_ids))
+    slots = table.slot_array([(int(position), int(position) + 1) for position in positions])
     return slots.astype(np.int64)

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
-from pagedkv.counts import check_count
+from pagedkv.counts import check_count, check_layer
 from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.gather import Scratch, gather
 from pagedkv.inputs import check_dtype
@@ -222,7 +222,7 @@ class KVPool:
         """
         if not self._key_scales:
             raise ConfigError("keys are not quantized in this pool; there are no scales")
-        return self._key_scales[layer]
+        return self._key_scales[check_layer(layer, self.num_layers)]
 
     def value_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s value scales, shaped like ``key_scales``.
@@ -232,18 +232,18 @@ class KVPool:
         """
         if not self._value_scales:
             raise ConfigError("values are not quantized in this pool; there are no scales")
-        return self._value_scales[layer]
+        return self._value_scales[check_layer(layer, self.num_layers)]
 
     def keys(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s key storage ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view).
 
         With ``key_dtype`` set these are the codes; ``key_scales`` holds the scales.
         """
-        return self._keys[layer]
+        return self._keys[check_layer(layer, self.num_layers)]
 
     def values(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s value storage, shaped like ``keys`` (a view)."""
-        return self._values[layer]
+        return self._values[check_layer(layer, self.num_layers)]
 
     def gather(
         self, layer: int, plan: ReadPlan

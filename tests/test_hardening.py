@@ -267,3 +267,36 @@ def test_a_prompt_that_is_not_token_ids_is_an_input_type_error() -> None:
     with pytest.raises(InputTypeError, match="prompt must be a sequence of token ids, got 5"):
         manager.add_sequence("a", prompt=5)  # type: ignore[arg-type]
     assert "a" not in manager
+
+
+# Before: pool.keys(5) raised a bare IndexError and pool.keys(-1) silently read the last layer.
+@pytest.mark.parametrize("layer", [1, -1, "0"])
+def test_a_pools_layer_accessors_refuse_layers_it_does_not_have(layer: Any) -> None:
+    from pagedkv.errors import LayerIndexError
+
+    pool = KVPool(2, block_size=2, head_dim=1, key_dtype="int8", value_dtype="int8")
+    for accessor in (pool.keys, pool.values, pool.key_scales, pool.value_scales):
+        with pytest.raises((LayerIndexError, InputTypeError), match="layer"):
+            accessor(layer)
+
+
+# Before: BlockTable(0) raised ZeroDivisionError.
+@pytest.mark.parametrize(
+    ("args", "error"), [((0,), ConfigError), (("4",), InputTypeError), ((4, -1), ConfigError)]
+)
+def test_a_block_table_refuses_bad_sizes(args: tuple[Any, ...], error: type) -> None:
+    from pagedkv import BlockTable
+
+    with pytest.raises(error):
+        BlockTable(*args)
+
+
+# Before: a position past the table raised numpy's bare IndexError.
+def test_slot_mapping_refuses_positions_outside_the_table() -> None:
+    from pagedkv.errors import ShapeError
+    from pagedkv.interop import slot_mapping
+
+    assert slot_mapping([3, 7], [0, 5], 4).tolist() == [12, 29]
+    for position in (8, -1, 1.5):
+        with pytest.raises(ShapeError, match="not a logical index of this table"):
+            slot_mapping([3, 7], [position], 4)  # type: ignore[list-item]
