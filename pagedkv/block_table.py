@@ -381,7 +381,10 @@ class BlockTable:
         """Evict every window index below ``window_start``; return the blocks now unused.
 
         Indices below ``num_sink_tokens`` are never evicted. The returned ids
-        are oldest first; the caller frees them.
+        are newest first (as ``clear`` and vLLM free): with prefix caching the
+        caller's frees put a longer prefix's block in the cached free queue
+        before a shorter one's, so the longer is evicted first and no chain
+        loses a middle block while its tail is still findable.
         """
         window_start = min(max(window_start, self.window_start), self.num_tokens)
         if window_start <= self.window_start:
@@ -399,6 +402,7 @@ class BlockTable:
         if not ids:
             # Nothing held in the window: the next token's block starts it again.
             self._first_block = max(self._first_block, ceil_div(self.num_tokens, bs))
+        released.reverse()
         return released
 
     def replace_last(self, block_id: int) -> int:

@@ -300,3 +300,22 @@ def test_slot_mapping_refuses_positions_outside_the_table() -> None:
     for position in (8, -1, 1.5):
         with pytest.raises(ShapeError, match="not a logical index of this table"):
             slot_mapping([3, 7], [position], 4)  # type: ignore[list-item]
+
+
+# Issue 15's reproducer: blocks leaving a window in one reserve were freed oldest
+# first, so the shortest prefix was evicted first and stranded the keys behind it.
+def test_blocks_leaving_a_window_together_are_freed_newest_first() -> None:
+    manager = KVCacheManager(KVPool(5, block_size=2, head_dim=1), max_size=4, enable_prefix_caching=True)
+    manager.add_sequence("a")
+    ones = np.ones((8, 1, 1))
+    batch = manager.reserve({"a": list(range(8))})
+    manager.write(0, batch, ones, ones)
+    batch = manager.reserve({"a": [8]})  # the window now starts at 5: blocks 0 and 1 leave together
+    manager.write(0, batch, ones[:1], ones[:1])
+    assert manager.pool.allocator.cached_free_block_ids() == [1, 0]
+    manager.add_sequence("b")
+    two = manager.reserve({"b": [50, 51]})  # no plain free block: evicts the longer prefix (block 1)
+    manager.write(0, two, ones[:2], ones[:2])
+    manager.free("b")
+    assert manager.add_sequence("c", [0, 1, 2, 3, 99]) == 2  # block 0 (tokens 0, 1) is still found
+    manager.check_invariants()
