@@ -2,6 +2,10 @@
 
 Run: ``python benchmarks/bench_manager.py`` (``--quick`` for a smoke run).
 
+This file measures attention. The manager's bookkeeping per call (``reserve``,
+``write``, admission, request cycles) against vLLM's own ``KVCacheManager``,
+issue 13's targets, is measured by ``benchmarks/bench_requests.py``.
+
 One decode step: each of ``--num-seqs`` sequences holds ``context - 1`` tokens
 and reserves, writes and attends one new token (so every query attends to
 ``context`` tokens), ``num_kv_heads`` = ``num_q_heads`` = 8, ``head_dim`` 128,

@@ -57,6 +57,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import os
 import statistics
@@ -165,7 +166,8 @@ class _VllmFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if name.split(".")[0] not in _STUBBED_TOPS:
             return None
         if name in VLLM_REAL:
-            return importlib.util.spec_from_file_location(name, os.path.join(self.root, *name.split(".")) + ".py")
+            path = os.path.join(self.root, *name.split(".")) + ".py"
+            return importlib.util.spec_from_file_location(name, path)
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
@@ -177,7 +179,9 @@ class _VllmFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _compile_from_source(root: str, path: str, names: set[str], namespace: dict[str, Any]) -> dict[str, Any]:
+def _compile_from_source(
+    root: str, path: str, names: set[str], namespace: dict[str, Any]
+) -> dict[str, Any]:
     """Run only the top-level definitions ``names`` of ``root/path`` (vLLM's own source) in ``namespace``."""
     with open(os.path.join(root, path), encoding="utf-8") as handle:
         tree = ast.parse(handle.read())
@@ -187,13 +191,14 @@ def _compile_from_source(root: str, path: str, names: set[str], namespace: dict[
 
 
 def _vllm_root(path: str) -> tuple[str, str]:
-    """A folder holding ``vllm/`` (the wheel's .py files extracted when ``path`` is a wheel), and the version."""
+    """A folder holding ``vllm/`` (a wheel's .py files are extracted to a temporary one), and the version."""
     if os.path.isdir(path):
         root = path
     else:
         root = tempfile.mkdtemp(prefix="vllm-core-")
         with zipfile.ZipFile(path) as wheel:
-            wheel.extractall(root, [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+            names = [n for n in wheel.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+            wheel.extractall(root, names)
     version = "?"
     try:
         with open(os.path.join(root, "vllm", "_version.py"), encoding="utf-8") as handle:
@@ -247,7 +252,9 @@ class VllmSide:
 
     def __init__(self, vllm: types.SimpleNamespace, caching: bool) -> None:
         interface = vllm.interface
-        spec = interface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=HEAD_DIM, dtype="f32")
+        spec = interface.FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=HEAD_DIM, dtype="float32 (stubbed)"
+        )
         config = interface.KVCacheConfig(
             num_blocks=NUM_BLOCKS,
             kv_cache_tensors=[],
@@ -261,12 +268,15 @@ class VllmSide:
         vllm.utils.init_none_hash(hash_fn)
         self.hasher = vllm.utils.get_request_block_hasher(BLOCK_SIZE, hash_fn) if caching else None
         self.request_class = vllm.request.Request
-        self.params = types.SimpleNamespace(max_tokens=NUM_DECODES, extra_args=None, skip_reading_prefix_cache=False)
+        self.params = types.SimpleNamespace(  # the only SamplingParams fields the request reads
+            max_tokens=NUM_DECODES, extra_args=None, skip_reading_prefix_cache=False
+        )
         self.num_requests = 0
 
     def new_request(self, prompt: list[int]) -> Any:
         self.num_requests += 1
-        return self.request_class(str(self.num_requests), prompt, self.params, None, block_hasher=self.hasher)
+        request_id = str(self.num_requests)
+        return self.request_class(request_id, prompt, self.params, None, block_hasher=self.hasher)
 
     def admit(self, request: Any) -> None:
         manager = self.manager
@@ -289,6 +299,11 @@ class VllmSide:
         self.manager.free(request)
 
 
+def has_trusted_inputs() -> bool:
+    """Whether this checkout's manager has ``trusted_inputs`` (the script also measures older ones)."""
+    return "trusted_inputs" in inspect.signature(KVCacheManager).parameters
+
+
 class PagedSide:
     """The workloads on pagedkv's ``KVCacheManager``."""
 
@@ -296,11 +311,12 @@ class PagedSide:
         self.pool = KVPool(NUM_BLOCKS, block_size=BLOCK_SIZE, head_dim=HEAD_DIM, dtype=DTYPE)
         options: dict[str, Any] = {"enable_prefix_caching": caching}
         if trusted:
-            options["trusted_inputs"] = True
+            options["trusted_inputs"] = True  # (see has_trusted_inputs for older checkouts)
         self.manager = KVCacheManager(self.pool, **options)
         self.caching = caching
         rng = np.random.default_rng(0)
-        self.kv = {n: rng.standard_normal((n, 1, HEAD_DIM), dtype=DTYPE) for n in (1, STEP_SEQS, STEP_PROMPT, PROMPT)}
+        sizes = (1, STEP_SEQS, STEP_PROMPT, PROMPT)
+        self.kv = {n: rng.standard_normal((n, 1, HEAD_DIM), dtype=DTYPE) for n in sizes}  # (n, 1, head_dim)
         self.num_seqs = 0
 
     def admit(self, prompt: list[int]) -> int:
@@ -372,13 +388,18 @@ def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float
     }
 
 
+def _paged_variants() -> list[tuple[str, bool]]:
+    """The pagedkv rows: the default manager, and ``trusted_inputs=True`` where the checkout has it."""
+    return [("pagedkv", False)] + ([("pagedkv trusted", True)] if has_trusted_inputs() else [])
+
+
 def cycle_rows(vllm: types.SimpleNamespace | None, caching: bool, num_cycles: int) -> dict[str, Sample]:
     """Request cycles: CPU seconds per cycle."""
     sides: dict[str, Any] = {}
     if vllm is not None:
         sides["vLLM"] = VllmSide(vllm, caching)
-    sides["pagedkv"] = PagedSide(caching, trusted=False)
-    sides["pagedkv trusted"] = PagedSide(caching, trusted=True)
+    for name, trusted in _paged_variants():
+        sides[name] = PagedSide(caching, trusted=trusted)
     rows: dict[str, Sample] = {}
     for name, side in sides.items():
         source = prompts(PROMPT)
@@ -418,43 +439,57 @@ def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str,
                 append += t1 - t0 - clock_ns
                 allocate += t2 - t1 - clock_ns
             side.manager.free(request)
-            return {"admit": admit * 1e-9, "append": append / NUM_DECODES * 1e-9,
-                    "allocate": allocate / NUM_DECODES * 1e-9}
+            return {
+                "admit": admit * 1e-9,
+                "append": append / NUM_DECODES * 1e-9,
+                "allocate": allocate / NUM_DECODES * 1e-9,
+            }
 
         rows["vLLM"] = vllm_sample
-    for trusted in (False, True):
+    for name, trusted in _paged_variants():
         paged = PagedSide(caching=False, trusted=trusted)
         paged_source = prompts(PROMPT)
 
-        def paged_sample(paged: PagedSide = paged, source: Iterator[list[int]] = paged_source) -> dict[str, float]:
-            manager, pool = paged.manager, paged.pool
-            kv = paged.kv[1]
+        def paged_sample(
+            paged: PagedSide = paged, source: Iterator[list[int]] = paged_source
+        ) -> dict[str, float]:
+            manager, pool, kv = paged.manager, paged.pool, paged.kv[1]
             prompt = next(source)
-            paged.num_seqs += 1
-            seq_id = paged.num_seqs
+            paged.num_seqs += 2
+            seq_id, bare_id = paged.num_seqs - 1, paged.num_seqs
             t0 = clock()
-            manager.add_sequence(seq_id, prompt)
+            manager.add_sequence(bare_id)  # admission without the prompt: no lookup when caching is off
+            manager.reserve({bare_id: PROMPT})
+            t1 = clock()
+            manager.add_sequence(seq_id, prompt)  # the prompt is validated, though not kept
             batch = manager.reserve({seq_id: PROMPT})
-            admit = clock() - t0 - clock_ns
+            t2 = clock()
+            admit, admit_bare = t2 - t1 - clock_ns, t1 - t0 - clock_ns
+            manager.free(bare_id)
             manager.write(0, batch, paged.kv[PROMPT], paged.kv[PROMPT])
             reserve = write = copy = 0.0
-            key, value = kv[0], kv[0]
+            key, value = kv[0], kv[0]  # (num_kv_heads, head_dim)
             for _ in range(NUM_DECODES):
                 t0 = clock()
                 batch = manager.reserve({seq_id: 1})
                 t1 = clock()
                 manager.write(0, batch, kv, kv)
                 t2 = clock()
-                pool.write_one(0, 4095, 3, key, value)  # the copy alone, into a block nobody reads
+                pool.write_one(0, NUM_BLOCKS - 1, 3, key, value)  # the copy alone, into a block nobody reads
                 t3 = clock()
                 reserve += t1 - t0 - clock_ns
                 write += t2 - t1 - clock_ns
                 copy += t3 - t2 - clock_ns
             manager.free(seq_id)
-            return {"admit": admit * 1e-9, "reserve": reserve / NUM_DECODES * 1e-9,
-                    "write": write / NUM_DECODES * 1e-9, "copy": copy / NUM_DECODES * 1e-9}
+            return {
+                "admit": admit * 1e-9,
+                "admit bare": admit_bare * 1e-9,
+                "reserve": reserve / NUM_DECODES * 1e-9,
+                "write": write / NUM_DECODES * 1e-9,
+                "copy": copy / NUM_DECODES * 1e-9,
+            }
 
-        rows["pagedkv trusted" if trusted else "pagedkv"] = paged_sample
+        rows[name] = paged_sample
     return rows
 
 
@@ -462,45 +497,45 @@ def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, 
     """One decode step of ``STEP_SEQS`` sequences (seconds per step), caching off."""
     clock = time.perf_counter_ns
     rows: dict[str, Sample] = {}
-    num_steps = 32  # steps per batch of sequences, then they are freed and new ones admitted
+    num_tokens = 32  # tokens a batch of sequences decodes; then they are freed and new ones admitted
     if vllm is not None:
         side = VllmSide(vllm, caching=False)
         source = prompts(STEP_PROMPT)
         live: list[Any] = []
-        steps = [num_steps]
+        done = [num_tokens]
 
         def vllm_step() -> dict[str, float]:
-            if steps[0] == num_steps:
+            if done[0] >= num_tokens:
                 for request in live:
                     side.manager.free(request)
                 live[:] = [side.new_request(next(source)) for _ in range(STEP_SEQS)]
                 for request in live:
                     side.admit(request)
-                steps[0] = 0
-            steps[0] += 1
+                done[0] = 0
+            done[0] += 1
             t0 = clock()
             for request in live:
                 side.decode(request, 7)
             return {"separate": (clock() - t0 - clock_ns) * 1e-9}
 
         rows["vLLM"] = vllm_step
-    for trusted in (False, True):
+    for name, trusted in _paged_variants():
         paged = PagedSide(caching=False, trusted=trusted)
-        paged_source = prompts(STEP_PROMPT)
-        paged_live: list[int] = []
-        paged_steps = [num_steps]
+        step_source = prompts(STEP_PROMPT)
 
         def paged_step(
-            paged: PagedSide = paged, source: Iterator[list[int]] = paged_source,
-            live: list[int] = paged_live, steps: list[int] = paged_steps,
+            paged: PagedSide = paged,
+            source: Iterator[list[int]] = step_source,
+            live: list[int] = [],  # noqa: B006 (one list per row, bound once)
+            done: list[int] = [num_tokens],  # noqa: B006
         ) -> dict[str, float]:
             manager = paged.manager
-            if steps[0] >= num_steps:
+            if done[0] >= num_tokens:
                 for seq_id in live:
                     manager.free(seq_id)
                 live[:] = [paged.admit(next(source)) for _ in range(STEP_SEQS)]
-                steps[0] = 0
-            steps[0] += 2
+                done[0] = 0
+            done[0] += 2  # a step of separate calls, then a batched one
             kv, kv_all = paged.kv[1], paged.kv[STEP_SEQS]
             reserve = write = 0.0
             for seq_id in live:
@@ -517,10 +552,14 @@ def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, 
             t1 = clock()
             manager.write(0, batch, kv_all, kv_all)
             t2 = clock()
-            return {"separate reserve": reserve * 1e-9, "separate write": write * 1e-9,
-                    "batched reserve": (t1 - t0 - clock_ns) * 1e-9, "batched write": (t2 - t1 - clock_ns) * 1e-9}
+            return {
+                "separate reserve": reserve * 1e-9,
+                "separate write": write * 1e-9,
+                "batched reserve": (t1 - t0 - clock_ns) * 1e-9,
+                "batched write": (t2 - t1 - clock_ns) * 1e-9,
+            }
 
-        rows["pagedkv trusted" if trusted else "pagedkv"] = paged_step
+        rows[name] = paged_step
     return rows
 
 
@@ -528,13 +567,28 @@ def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, 
 # Reporting.
 # ----------------------------------------------------------------------------
 
+NONE = "-"
+
 
 def _us(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e6:.1f}"
+    return NONE if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _rate(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{1 / seconds / 1e3:.2f} k"
+    return NONE if seconds is None else f"{1 / seconds / 1e3:.2f} k"
+
+
+def _cells(medians: dict[str, dict[str, float]], show: Callable[[dict[str, float]], str]) -> str:
+    """One table row's cells: vLLM, pagedkv, pagedkv trusted (``-`` where a row was not run)."""
+    return " | ".join(
+        show(medians[name]) if name in medians else NONE for name in ("vLLM", "pagedkv", "pagedkv trusted")
+    )
+
+
+def _separate_over_batched(medians: dict[str, float]) -> str:
+    if "batched reserve" not in medians:
+        return NONE
+    return f"{medians['separate reserve'] / medians['batched reserve']:.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -550,8 +604,9 @@ def main(argv: list[str] | None = None) -> None:
 
     with threadpool_limits(limits=1, user_api="blas"):
         clock_ns = _clock_cost_ns()
+        source = f", its real v1 core from {args.vllm} (heavy imports stubbed)" if vllm else ""
         parameters = [
-            f"vLLM: {version}" + (f", its real v1 core from {args.vllm} (heavy imports stubbed)" if vllm else ""),
+            f"vLLM: {version}{source}",
             f"parameters: block_size {BLOCK_SIZE}, {NUM_BLOCKS} blocks, 1 layer; pagedkv pool "
             f"(1 kv head, head_dim {HEAD_DIM}, {np.dtype(DTYPE).name}); request cycle = {PROMPT}-token "
             f"prompt + {NUM_DECODES} single-token decodes + free; step = {STEP_SEQS} sequences "
@@ -562,49 +617,51 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print(header("Manager bookkeeping against vLLM (benchmarks/bench_requests.py)", parameters))
 
-        print("\n### Request cycles (cycles per second)\n")
+        print("\n### Request cycles (cycles per second; the last column: pagedkv's rate / vLLM's)\n")
         print("| workload | vLLM | pagedkv | pagedkv trusted | pagedkv / vLLM |")
         print("|---|---:|---:|---:|---:|")
         for caching in (False, True):
             medians = run_rows(cycle_rows(vllm, caching, args.cycles), args.repeats)
-            ours = medians["pagedkv"]["cycle"]
             theirs = medians.get("vLLM", {}).get("cycle")
-            ratio = f"{theirs / ours:.2f}" if theirs else "–"
+            ratio = f"{theirs / medians['pagedkv']['cycle']:.2f}" if theirs else NONE
             label = "caching on, a miss" if caching else "caching off"
-            print(f"| {label} | {_rate(theirs)} | {_rate(ours)} | "
-                  f"{_rate(medians['pagedkv trusted']['cycle'])} | {ratio} |")
+            print(f"| {label} | {_cells(medians, lambda m: _rate(m['cycle']))} | {ratio} |")
 
         splits = run_rows(split_rows(vllm, clock_ns), args.repeats * 2)
         print("\n### One call (µs), caching off\n")
         print("| call | vLLM | pagedkv | pagedkv trusted |")
         print("|---|---:|---:|---:|")
-        v = splits.get("vLLM", {})
-        p, t = splits["pagedkv"], splits["pagedkv trusted"]
-        print(f"| admission: lookup + reserve {PROMPT} tokens | {_us(v.get('admit'))} | "
-              f"{_us(p['admit'])} | {_us(t['admit'])} |")
-        print(f"| decode: append_output_token_ids (vLLM) | {_us(v.get('append'))} | | |")
-        print(f"| decode: allocate_slots(1) / reserve(1) | {_us(v.get('allocate'))} | "
-              f"{_us(p['reserve'])} | {_us(t['reserve'])} |")
-        print(f"| decode: write(1), copy included | – | {_us(p['write'])} | {_us(t['write'])} |")
-        print(f"| decode: the copy alone (pool.write_one) | – | {_us(p['copy'])} | {_us(t['copy'])} |")
-        print(f"| decode: reserve + write - copy (bookkeeping) | {_us(v.get('allocate'))} | "
-              f"{_us(p['reserve'] + p['write'] - p['copy'])} | {_us(t['reserve'] + t['write'] - t['copy'])} |")
+        rows: list[tuple[str, Callable[[dict[str, float]], str]]] = [
+            (f"admission of {PROMPT} tokens: lookup (add_sequence with the prompt) + reserve",
+             lambda m: _us(m["admit"])),
+            (f"admission of {PROMPT} tokens: add_sequence without the prompt + reserve",
+             lambda m: _us(m.get("admit bare"))),
+            ("decode: append_output_token_ids (vLLM only)", lambda m: _us(m.get("append"))),
+            ("decode: allocate_slots(1) / reserve(1)", lambda m: _us(m.get("allocate", m.get("reserve")))),
+            ("decode: write(1), copy included", lambda m: _us(m.get("write"))),
+            ("decode: the copy alone (pool.write_one)", lambda m: _us(m.get("copy"))),
+            ("decode: reserve + write - copy (bookkeeping)",
+             lambda m: _us(m["allocate"] if "allocate" in m else m["reserve"] + m["write"] - m["copy"])),
+        ]
+        for label, show in rows:
+            print(f"| {label} | {_cells(splits, show)} |")
 
         steps = run_rows(step_rows(vllm, clock_ns), args.repeats * 2)
         print(f"\n### A decode step of {STEP_SEQS} sequences (µs a step), caching off\n")
         print("| calls | vLLM | pagedkv | pagedkv trusted |")
         print("|---|---:|---:|---:|")
-        v = steps.get("vLLM", {})
-        p, t = steps["pagedkv"], steps["pagedkv trusted"]
-        print(f"| {STEP_SEQS} separate allocate_slots / reserve | {_us(v.get('separate'))} | "
-              f"{_us(p['separate reserve'])} | {_us(t['separate reserve'])} |")
-        print(f"| {STEP_SEQS} separate reserve + write | – | {_us(p['separate reserve'] + p['separate write'])} | "
-              f"{_us(t['separate reserve'] + t['separate write'])} |")
-        print(f"| one reserve of {STEP_SEQS} | – | {_us(p['batched reserve'])} | {_us(t['batched reserve'])} |")
-        print(f"| one reserve + one write of {STEP_SEQS} | – | {_us(p['batched reserve'] + p['batched write'])} | "
-              f"{_us(t['batched reserve'] + t['batched write'])} |")
-        print(f"| separate / batched reserve | – | {p['separate reserve'] / p['batched reserve']:.2f} | "
-              f"{t['separate reserve'] / t['batched reserve']:.2f} |")
+        rows = [
+            (f"{STEP_SEQS} separate allocate_slots / reserve",
+             lambda m: _us(m.get("separate", m.get("separate reserve")))),
+            (f"{STEP_SEQS} separate reserve + write",
+             lambda m: _us(m["separate reserve"] + m["separate write"]) if "separate write" in m else NONE),
+            (f"one reserve of {STEP_SEQS}", lambda m: _us(m.get("batched reserve"))),
+            (f"one reserve + one write of {STEP_SEQS}",
+             lambda m: _us(m["batched reserve"] + m["batched write"]) if "batched write" in m else NONE),
+            ("separate / batched reserve", _separate_over_batched),
+        ]
+        for label, show in rows:
+            print(f"| {label} | {_cells(steps, show)} |")
         print()
         print(footer())
 

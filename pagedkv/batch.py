@@ -13,8 +13,10 @@ as in vLLM::
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, NamedTuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +24,98 @@ import numpy.typing as npt
 from pagedkv.errors import InputTypeError, SequenceStateError
 from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState
 
-__all__ = ["Batch", "batch_records"]
+__all__ = ["Batch", "SlotPiece", "SlotRun", "batch_records", "issue_batch", "issued_slots"]
+
+
+class SlotRun(NamedTuple):
+    """The slots of ``num_tokens`` new tokens from ``offset`` in the first of ``block_ids``.
+
+    ``block_ids`` are consecutive logical blocks of one table, so this is
+    ``BlockTable.slot``'s rule (``block_id * block_size + offset``) for a run
+    of new tokens, kept as the ids until someone reads the batch's
+    ``slot_mapping``: a prefill's reservation builds no per-token ints.
+
+    >>> SlotRun([7, 2], 3, 3, 4).slots().tolist()
+    [31, 8, 9]
+    """
+
+    block_ids: list[int]
+    offset: int
+    num_tokens: int
+    block_size: int
+
+    def slots(self) -> npt.NDArray[np.int64]:
+        """The slots, as a new int64 array ``(num_tokens,)``."""
+        ids = np.array(self.block_ids, np.int64)  # (num_blocks,)
+        grid = ids[:, None] * self.block_size + np.arange(self.block_size)  # (num_blocks, block_size)
+        return grid.ravel()[self.offset : self.offset + self.num_tokens]
+
+
+#: One sequence's slots as ``reserve`` keeps them: an int for one token, a :class:`SlotRun` for more.
+SlotPiece = Union[int, SlotRun]  # noqa: UP007 (a runtime alias: py3.10 has no `int | NamedTuple`)
+
+
+def _read_only(value: Any) -> npt.NDArray[np.int64]:
+    """A read-only view of a read-only array of ``value``.
+
+    NOTE: neither the view's nor its base's flags can be turned writable
+    again, so the slots the manager handed out cannot be edited in place
+    (they would aim another sequence's keys and values).
+    """
+    array = np.asarray(value)
+    if array.flags.writeable:
+        array.flags.writeable = False
+    view: npt.NDArray[np.int64] = array.view()
+    view.flags.writeable = False
+    return view
+
+
+class _ReadOnlyArray:
+    """A :class:`Batch` array field: read-only, and built only when first read.
+
+    ``reserve`` hands its Python values over as they are (the slot pieces,
+    or the per-sequence counts for ``query_start``); the array is made the
+    first time someone reads the field. A single-token decode whose
+    ``write`` never reads ``slot_mapping`` (it copies by block and offset)
+    builds no array at all. An array given to the constructor is made
+    read-only at once; a list of ints is taken as slots.
+    """
+
+    __slots__ = ("_from_ints", "_name")
+
+    def __init__(self, from_ints: Any) -> None:
+        self._from_ints = from_ints
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, batch: None, owner: type | None = None) -> _ReadOnlyArray: ...
+    @overload
+    def __get__(self, batch: Batch, owner: type | None = None) -> npt.NDArray[np.int64]: ...
+    def __get__(self, batch: Batch | None, owner: type | None = None) -> Any:
+        if batch is None:
+            raise AttributeError(self._name)  # no class-level default: the field is required
+        stored = batch.__dict__
+        value = stored[self._name]
+        if value.__class__ is not np.ndarray:
+            value = stored[self._name] = _read_only(self._from_ints(value))
+        return value
+
+    def __set__(self, batch: Batch, value: Any) -> None:
+        batch.__dict__[self._name] = _read_only(value) if isinstance(value, np.ndarray) else value
+
+
+def _slot_array(pieces: Sequence[SlotPiece]) -> npt.NDArray[np.int64]:
+    if all(piece.__class__ is not SlotRun for piece in pieces):
+        return np.array(pieces, np.int64)
+    return np.concatenate(
+        [piece.slots() if isinstance(piece, SlotRun) else np.array([piece], np.int64) for piece in pieces]
+    )
+
+
+def _query_start(counts: Sequence[int]) -> npt.NDArray[np.int64]:
+    return np.array([0, *accumulate(counts)], np.int64)
 
 
 @dataclass(frozen=True)
@@ -42,33 +135,22 @@ class Batch:
             again) is refused, and so is any batch but the very object
             ``reserve`` returned (a copy, or one built by hand).
 
-    The arrays are read-only.
+    The arrays are read-only, and made when first read (see
+    ``_ReadOnlyArray``); built by hand they take arrays or ints.
     """
 
     seq_ids: tuple[Hashable, ...]
     num_new_tokens: tuple[int, ...]
     first_positions: tuple[int, ...]
-    query_start: npt.NDArray[np.int64]
-    slot_mapping: npt.NDArray[np.int64]
-    reservation_ids: tuple[int, ...] = field(repr=False)
-
-    def __post_init__(self) -> None:
-        # NOTE: read-only views of read-only arrays: neither the view's nor its
-        # base's flags can be turned writable again, so the slots the manager
-        # handed out cannot be edited in place (they would aim another
-        # sequence's keys and values).
-        for name in ("query_start", "slot_mapping"):
-            array = np.asarray(getattr(self, name))
-            if array.flags.writeable:
-                array.flags.writeable = False
-            view = array.view()
-            view.flags.writeable = False
-            object.__setattr__(self, name, view)
+    query_start: _ReadOnlyArray = _ReadOnlyArray(_query_start)
+    slot_mapping: _ReadOnlyArray = _ReadOnlyArray(_slot_array)
+    # mypy counts the descriptors above as defaults; at run time they have none (see _ReadOnlyArray).
+    reservation_ids: tuple[int, ...] = field(repr=False)  # type: ignore[misc]
 
     @property
     def num_tokens(self) -> int:
         """New tokens across the whole batch (the flattened token dimension)."""
-        return int(self.query_start[-1])
+        return sum(self.num_new_tokens)
 
     @property
     def num_seqs(self) -> int:
@@ -76,13 +158,66 @@ class Batch:
         return len(self.seq_ids)
 
 
+def issue_batch(
+    seq_ids: tuple[Hashable, ...],
+    num_new_tokens: tuple[int, ...],
+    first_positions: tuple[int, ...],
+    slots: list[SlotPiece],
+    reservation_ids: tuple[int, ...],
+) -> Batch:
+    """The :class:`Batch` ``reserve`` returns: its fields as given, its arrays made when first read.
+
+    ``slots`` holds one piece per sequence, in batch order.
+
+    NOTE: it fills the frozen instance's ``__dict__`` directly instead of
+    calling ``__init__``, which pays one ``object.__setattr__`` per field and
+    a descriptor call per array, a large share of a single-token ``reserve``
+    (benchmarks/bench_requests.py). Only this module builds batches so.
+    """
+    batch = object.__new__(Batch)
+    fields = batch.__dict__
+    fields["seq_ids"] = seq_ids
+    fields["num_new_tokens"] = num_new_tokens
+    fields["first_positions"] = first_positions
+    fields["query_start"] = num_new_tokens  # made an array of offsets when first read
+    fields["slot_mapping"] = fields["_slots"] = slots  # made an array when first read
+    fields["reservation_ids"] = reservation_ids
+    return batch
+
+
+def issued_slots(batch: Batch) -> list[SlotPiece]:
+    """The slot pieces of a batch ``reserve`` issued (and :func:`batch_records` accepted), one a sequence."""
+    slots: list[SlotPiece] = batch.__dict__["_slots"]
+    return slots
+
+
 def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
     """The records of ``batch``'s sequences, each still holding the reservation the batch stamps.
 
+    One identity test per sequence on the common path: a record's ``batch``
+    is the very object ``reserve`` returned for its newest reservation, and
+    ``free``, ``preempt`` and ``cancel_reservation`` clear it. Anything else
+    takes the full check, which says what is wrong.
+
     Raises:
         InputTypeError: ``batch`` is not a Batch.
-        SequenceStateError: a sequence was freed, preempted or reserved again since.
+        SequenceStateError: a sequence was freed, preempted or reserved again
+            since, or ``batch`` is not the object ``reserve`` returned.
     """
+    found = []
+    get = records.get
+    for seq_id in batch.seq_ids if batch.__class__ is Batch else ():
+        record = get(seq_id)
+        if record is None or record.batch is not batch or record.state is not SequenceState.RUNNING:
+            return _diagnose(records, batch)
+        found.append(record)
+    if not found:
+        return _diagnose(records, batch)
+    return found
+
+
+def _diagnose(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
+    """The full check of :func:`batch_records`, in the order its errors are meant to be found."""
     if not isinstance(batch, Batch):
         raise InputTypeError(f"batch must be a Batch from reserve(), got {type(batch).__name__}")
     found = []
@@ -100,4 +235,6 @@ def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecor
                 "batch built by hand); write and attend take only the manager's own batch"
             )
         found.append(record)
+    if not found:
+        raise SequenceStateError("this batch holds no sequence; write and attend take only reserve()'s batch")
     return found

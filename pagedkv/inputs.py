@@ -14,10 +14,33 @@ import numpy.typing as npt
 
 from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeError
 
-__all__ = ["FLOAT_DTYPES", "as_tokens", "as_vectors", "check_dtype", "check_scale", "check_score_bound"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "as_tokens",
+    "as_vectors",
+    "check_dtype",
+    "check_scale",
+    "check_score_bound",
+    "check_tokens",
+    "value_limit",
+]
 
 #: The float dtypes pools store and compute in (quantized storage is a separate option).
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+# A margin below the dtype's maximum: a softmax-weighted sum of values (and
+# a partial sum inside a matmul) must not overflow even after rounding.
+_LIMITS = {dtype: float(np.finfo(dtype).max) / 16 for dtype in FLOAT_DTYPES}
+
+
+def value_limit(dtype: np.dtype[Any]) -> float:
+    """The largest magnitude a stored value may have: ``finfo(dtype).max / 16``.
+
+    >>> value_limit(np.dtype(np.float32)) == float(np.finfo(np.float32).max) / 16
+    True
+    """
+    limit = _LIMITS.get(dtype)
+    return float(np.finfo(dtype).max) / 16 if limit is None else limit
 
 
 def as_vectors(
@@ -83,9 +106,7 @@ def as_vectors(
             f"{name} holds {bad} in {dtype}; every value must be finite"
             + ("" if not np.isfinite(array).all() else f" (it overflows {dtype})")
         )
-    # A margin below the dtype's maximum: a softmax-weighted sum of values (and
-    # a partial sum inside a matmul) must not overflow even after rounding.
-    limit = float(np.finfo(dtype).max) / 16
+    limit = value_limit(dtype)
     largest = float(np.abs(converted).max())
     if largest > limit:
         raise NonFiniteError(
@@ -110,6 +131,47 @@ def as_tokens(
             f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
         )
     return array
+
+
+def check_tokens(
+    name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int], scan: bool = True
+) -> tuple[npt.NDArray[Any], float]:
+    """:func:`as_tokens`, and the largest magnitude in the result.
+
+    The fast path takes what an engine passes, a plain array of exactly
+    ``dtype`` and ``expected``: its largest and smallest values (``argmax``
+    and ``argmin`` report a NaN as both, so a NaN or an infinity fails the
+    limit) check every value and give the magnitude. Anything else, or any
+    failure, takes :func:`as_tokens`, whose errors it shares.
+
+    NOTE: ``argmax`` + ``argmin`` + two ``item`` calls are cheaper than
+    ``np.maximum.reduce(np.abs(value))`` for one token's k/v (no temporary,
+    no ufunc reduction set-up) and no dearer for a prefill; a decode's
+    ``write`` makes two such checks (benchmarks/bench_requests.py).
+
+    Args:
+        name, value, dtype, expected: as :func:`as_tokens`.
+        scan: False skips the scan on the fast path (the caller vouches for
+            the values; see ``KVCacheManager(trusted_inputs=True)``); the
+            magnitude is then reported as 0.0. Type, dtype and shape are
+            checked either way.
+
+    Raises:
+        InputTypeError, NonFiniteError, ShapeError: as :func:`as_tokens`.
+
+    >>> check_tokens("k", np.array([[[1.0, -3.0]]]), np.dtype(np.float64), (1, 1, 2))[1]
+    3.0
+    """
+    if value.__class__ is np.ndarray and value.dtype is dtype and value.shape == expected:
+        if not scan:
+            return value, 0.0
+        high = value.item(value.argmax())
+        low = value.item(value.argmin())
+        limit = _LIMITS.get(dtype) or value_limit(dtype)
+        if high <= limit and -low <= limit:  # False for a NaN
+            return value, high if high >= -low else -low
+    array = as_tokens(name, value, dtype, expected)
+    return array, float(np.abs(array).max())
 
 
 def check_dtype(dtype: object) -> np.dtype[np.floating]:
@@ -166,7 +228,7 @@ def check_score_bound(
     pagedkv.errors.NonFiniteError: attention scores could reach 1e+308, beyond what float64 holds ...
     """
     bound = abs(scale) * float(np.abs(queries).sum(axis=-1).max()) * max_abs_key
-    limit = float(np.finfo(dtype).max) / 16
+    limit = value_limit(dtype)
     if bound > limit:
         raise NonFiniteError(
             f"attention scores could reach {bound:.3g}, beyond what {dtype} holds "

@@ -28,10 +28,9 @@ import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, batch_records
+from pagedkv.batch import Batch, batch_records, issued_slots
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_layer
 from pagedkv.errors import (
@@ -40,21 +39,23 @@ from pagedkv.errors import (
     PoolExhaustedError,
     SequenceStateError,
 )
-from pagedkv.inputs import as_tokens, check_score_bound
+from pagedkv.inputs import as_tokens, check_score_bound, check_tokens
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
 from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
 from pagedkv.paged_attention import attend_batch
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import PrefixCache, as_token_ids, encode_extra_keys, token_bytes
+from pagedkv.prefix_cache import PrefixCache, check_token_ids, encode_extra_keys, pack_token_ids, token_bytes
 from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.reservation import (
-    Request,
+    ParsedRequests,
     Requests,
     ReservationPlan,
     commit_reservation,
     parse_requests,
     plan_reservation,
+    plan_steps,
+    reserve_one,
     resolve_requests,
 )
 from pagedkv.sequence import (
@@ -107,6 +108,12 @@ class KVCacheManager:
             between sequences (see :mod:`pagedkv.prefix_cache`).
         hash_algorithm: ``"sha256"`` (default, collision resistant) or
             ``"xxh3_128"`` (faster, the ``xxhash`` extra, trusted prompts only).
+        trusted_inputs: the engine vouches for the k/v values it writes: a
+            ``write`` of a plain array of the pool's dtype and the right
+            shape skips scanning the values for NaN, infinity and magnitude
+            (keys are still scanned: attention's overflow bound needs their
+            largest magnitude). Every check of the batch, the sequences'
+            states, the shapes and dtypes stays.
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -124,6 +131,7 @@ class KVCacheManager:
         host_pool: KVPool | None = None,
         enable_prefix_caching: bool = False,
         hash_algorithm: str = "sha256",
+        trusted_inputs: bool = False,
     ) -> None:
         config = configure(
             pool,
@@ -134,6 +142,7 @@ class KVCacheManager:
             scale=scale,
             enable_prefix_caching=enable_prefix_caching,
             hash_algorithm=hash_algorithm,
+            trusted_inputs=trusted_inputs,
         )
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
         self.pool = pool
@@ -147,6 +156,8 @@ class KVCacheManager:
         self.scale = config.scale
         #: The block hash's name (kept for snapshots).
         self.hash_algorithm = config.hash_algorithm
+        #: Whether ``write`` skips scanning values (``trusted_inputs``).
+        self.trusted_inputs = config.trusted_inputs
         self._seqs = SequenceRegistry()
         self._max_abs_key = [0.0] * pool.num_layers
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -209,8 +220,11 @@ class KVCacheManager:
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        requests_list = parse_requests(requests)
-        return self._plan(requests_list, self._request_records(requests_list))
+        parsed = parse_requests(requests)
+        records = self._request_records(parsed)
+        return plan_reservation(
+            [record.table for record in records], parsed.counts, self.pool.allocator, self.max_size
+        )
 
     def can_reserve(self, requests: Requests) -> bool:
         """Whether ``reserve(requests)`` would succeed now."""
@@ -255,8 +269,12 @@ class KVCacheManager:
         if not isinstance(cache_blocks, bool):
             raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
         extras = encode_extra_keys(extra_keys)
-        token_ids = None if prompt is None else as_token_ids(prompt, "prompt must be a sequence of token ids")
-        tokens = token_bytes(token_ids) if token_ids is not None else b""
+        what = "prompt must be a sequence of token ids"
+        token_ids, tokens = None, b""
+        if prompt is not None and self._sharing is None:
+            check_token_ids(prompt, what)  # validated all the same; without a prefix cache it is not kept
+        elif prompt is not None:
+            token_ids, tokens = pack_token_ids(prompt, what)
         record = SequenceRecord(
             seq_id, BlockTable(self.pool.block_size, self.num_sink_tokens), self.pool.num_layers
         )
@@ -268,7 +286,7 @@ class KVCacheManager:
             num_hit = self._sharing.share_cached_prefix(record, token_ids, tokens)
             self._counters["prefix_hits"] += num_hit
         if not cache_blocks:
-            record.token_ids = None
+            record.stop_keying()
         return num_hit
 
     @locked
@@ -287,7 +305,6 @@ class KVCacheManager:
             )
         self._sharing.cache.reset()
 
-    @locked
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
 
@@ -314,22 +331,40 @@ class KVCacheManager:
                 reserved tokens some layer has not written yet.
             PoolExhaustedError: the pool cannot hold it; nothing changes.
         """
-        requests_list = parse_requests(requests)
-        records = self._request_records(requests_list)
-        plan = self._plan(requests_list, records)
-        if not plan.fits:
+        # NOTE: reserve and write take the pool's lock inline rather than through
+        # @locked: an engine calls both for every sequence every step, and the
+        # decorator's extra frame costs about as much as the lock itself.
+        with self.pool.lock:
+            if requests.__class__ is dict and len(requests) == 1:
+                for seq_id, value in requests.items():
+                    batch = reserve_one(
+                        self._seqs, seq_id, value, self.pool, self.max_size, self._sharing is not None
+                    )
+                    if batch is not None:
+                        return batch
+            return self._reserve(requests)
+
+    def _reserve(self, requests: Requests) -> Batch:
+        pool = self.pool
+        parsed = parse_requests(requests)
+        records = self._request_records(parsed)
+        tables = [record.table for record in records]
+        allocator = pool.allocator
+        num_new, num_cow, num_released, steps = plan_steps(tables, parsed.counts, allocator, self.max_size)
+        num_available = allocator.num_free_blocks + num_released
+        if num_new > num_available:
             raise PoolExhaustedError(
-                plan.num_new_blocks,
-                plan.num_free_blocks + plan.num_released_blocks,
-                self.pool.num_blocks,
+                num_new,
+                num_available,
+                pool.num_blocks,
                 "free or preempt a sequence, reserve fewer tokens, or give the pool more blocks",
             )
         # ---- validated: nothing below can fail ----
-        batch = commit_reservation(records, requests_list, plan, self.pool, self.max_size is not None)
-        self._counters["copy_on_write"] += plan.num_copy_on_write
+        batch = commit_reservation(records, parsed, steps, pool, self.max_size is not None)
+        if num_cow:
+            self._counters["copy_on_write"] += num_cow
         return batch
 
-    @locked
     def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
         """Store one layer's k/v for every token of ``batch``.
 
@@ -344,24 +379,36 @@ class KVCacheManager:
             SequenceStateError: the batch is stale, or this layer was written.
             ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
         """
-        check_layer(layer, self.pool.num_layers)
-        seqs = batch_records(self._seqs, batch)
-        for seq, start in zip(seqs, batch.first_positions):
-            if seq.num_written[layer] != start:
-                raise SequenceStateError(
-                    f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
-                )
         pool = self.pool
-        expected = (batch.num_tokens, pool.num_kv_heads, pool.head_dim)
-        key_array = as_tokens("keys", keys, self.pool.dtype, expected)
-        value_array = as_tokens("values", values, self.pool.dtype, expected)
-        # ---- validated ----
-        pool.write(layer, batch.slot_mapping, key_array, value_array)
-        self._max_abs_key[layer] = max(self._max_abs_key[layer], float(np.abs(key_array).max()))
-        for seq, start, num_new in zip(seqs, batch.first_positions, batch.num_new_tokens):
-            seq.num_written[layer] = start + num_new
-            if self._sharing is not None:
-                self._sharing.key_full_blocks(seq)
+        with pool.lock:  # inline, as in reserve
+            if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
+                check_layer(layer, pool.num_layers)
+            seqs = batch_records(self._seqs, batch)
+            first_positions, counts = batch.first_positions, batch.num_new_tokens
+            for seq, start in zip(seqs, first_positions):
+                if seq.num_written[layer] != start:
+                    raise SequenceStateError(
+                        f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
+                    )
+            expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
+            key_array, largest_key = check_tokens("keys", keys, pool.dtype, expected)
+            value_array, _ = check_tokens("values", values, pool.dtype, expected, not self.trusted_inputs)
+            # ---- validated ----
+            slot = issued_slots(batch)[0]
+            if expected[0] == 1 and isinstance(slot, int):  # one token: copied by block and offset
+                block_id, offset = divmod(slot, pool.block_size)
+                pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
+            else:
+                pool.write(layer, batch.slot_mapping, key_array, value_array)
+            if largest_key > self._max_abs_key[layer]:
+                self._max_abs_key[layer] = largest_key
+            # Settle: the layer holds the batch's tokens; blocks full in every layer get keys.
+            sharing = self._sharing
+            for seq, start, num_new in zip(seqs, first_positions, counts):
+                end = seq.num_written[layer] = start + num_new
+                # A block can only get its key once some layer's count crosses its end.
+                if sharing is not None and end // pool.block_size > len(seq.block_keys):
+                    sharing.key_full_blocks(seq)
 
     def attend(self, layer: int, batch: Batch, queries: Any, *, method: str = "loop") -> npt.NDArray[Any]:
         """Attention of every new token of ``batch`` over its own sequence, in one call.
@@ -528,7 +575,8 @@ class KVCacheManager:
             seq.block_keys = []
             return 0
         history = seq.token_ids
-        seq.token_ids, seq.block_keys = [], []
+        seq.token_ids = []
+        # Its block and prompt keys are keys of the history's blocks: the lookup reuses them.
         num_reused = self._sharing.share_cached_prefix(seq, history, token_bytes(history))
         self._counters["resumed_reuse"] += num_reused
         return num_reused
@@ -607,14 +655,9 @@ class KVCacheManager:
             raise ConfigError("swap needs a host pool: KVCacheManager(..., host_pool=KVPool(...))")
         return self.host_pool
 
-    def _request_records(self, requests: list[Request]) -> list[SequenceRecord]:
+    def _request_records(self, requests: ParsedRequests) -> list[SequenceRecord]:
         return resolve_requests(
             self._seqs, requests, keyed=self._sharing is not None, num_layers=self.pool.num_layers
-        )
-
-    def _plan(self, requests: list[Request], records: list[SequenceRecord]) -> ReservationPlan:
-        return plan_reservation(
-            [record.table for record in records], requests, self.pool.allocator, self.max_size
         )
 
     def _release(self, seq: SequenceRecord) -> None:

@@ -37,6 +37,8 @@ class ManagerConfig:
         scale: multiplies every score.
         enable_prefix_caching: whether full blocks are keyed and shared.
         hash_algorithm: the block hash's name.
+        trusted_inputs: the engine vouches for the k/v values it writes, so
+            ``write`` skips scanning values for NaN, infinity and magnitude.
     """
 
     layer_max_sizes: tuple[int | None, ...]
@@ -46,6 +48,7 @@ class ManagerConfig:
     scale: float
     enable_prefix_caching: bool
     hash_algorithm: str
+    trusted_inputs: bool = False
 
 
 def configure(
@@ -58,6 +61,7 @@ def configure(
     scale: float,
     enable_prefix_caching: bool,
     hash_algorithm: str,
+    trusted_inputs: bool = False,
 ) -> ManagerConfig:
     """Validate a manager's arguments against ``pool``; return the configuration.
 
@@ -92,6 +96,8 @@ def configure(
     if not isinstance(enable_prefix_caching, bool):
         raise InputTypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
     check_hash_algorithm(hash_algorithm)  # even with prefix caching off: snapshots save it
+    if not isinstance(trusted_inputs, bool):
+        raise InputTypeError(f"trusted_inputs must be True or False, got {trusted_inputs!r}")
     return ManagerConfig(
         layer_max_sizes=tuple(windows),
         window=None if any(w is None for w in windows) else max(w for w in windows if w is not None),
@@ -100,4 +106,5 @@ def configure(
         scale=check_scale(scale),
         enable_prefix_caching=enable_prefix_caching,
         hash_algorithm=hash_algorithm,
+        trusted_inputs=trusted_inputs,
     )

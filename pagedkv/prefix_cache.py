@@ -27,6 +27,9 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Integral
+from typing import cast
+
+import numpy as np
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
@@ -38,6 +41,7 @@ __all__ = [
     "as_token_ids",
     "block_keys",
     "check_hash_algorithm",
+    "check_token_ids",
     "encode_extra_keys",
     "hash_function",
     "pack_token_ids",
@@ -138,17 +142,14 @@ def as_token_ids(value: object, what: str) -> list[int]:
     return pack_token_ids(value, what)[0]
 
 
-#: The one type a list of token ids holds on the fast path of ``pack_token_ids``.
-_PLAIN_INTS = frozenset((int,))
-
-
 def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
-    """``value`` as a new list of token ids and as ``token_bytes`` of it, validated once.
+    """``value`` as a new list of (plain int) token ids and as ``token_bytes`` of it, validated once.
 
-    The fast path takes a list of plain ints: one pass of C code reads every
-    element's type (refusing bools and everything else), a second packs them
-    (``array("Q")`` refuses negative ids), and the high byte of every packed id
-    says whether one is past int64. Anything else takes the general path,
+    The fast path takes a list: ``array("Q")`` packs it in one pass of C code
+    (refusing floats, strings, negative ids and anything that is not an
+    integer), the high byte of every packed id says whether one is past
+    int64, and only the elements packed as 0 or 1 have their type read, to
+    refuse bools. Anything else, or any failure, takes the general path,
     whose errors it shares.
 
     Raises:
@@ -158,22 +159,48 @@ def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
     >>> token_ids, packed == token_bytes([1, 258]), len(packed)
     ([1, 258], True, 16)
     """
-    if value.__class__ is list and set(map(type, value)) <= _PLAIN_INTS:
-        try:
-            # NOTE: "Q" packs about 3x faster than "q" (measured: 2.8 vs 8.3 µs for 512
-            # ids), refuses negative ids, and its bytes equal "q"'s below 2**63.
-            packed = array("Q", value).tobytes()
-        except OverflowError:
-            pass  # a negative id, or one past 2**64: the general path says which
-        else:
-            # Ids below 2**63 have their high bit clear: every id's high byte is ASCII.
-            if packed[_HIGH_BYTE::8].isascii():
-                return list(value), packed
+    if value.__class__ is list:
+        fast = _pack_list(value)
+        if fast is not None:
+            return fast[0].tolist(), fast[1]
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not hasattr(value, "__len__"):
         raise InputTypeError(f"{what}, got {value!r}")
     # numpy ints become ints; bools and anything else stay for token_bytes to refuse.
     token_ids = [int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in value]
     return token_ids, token_bytes(token_ids)
+
+
+def check_token_ids(value: object, what: str) -> None:
+    """Refuse ``value`` unless :func:`pack_token_ids` would take it (without building the list).
+
+    Raises:
+        InputTypeError: as :func:`as_token_ids`.
+    """
+    if value.__class__ is not list or _pack_list(value) is None:
+        pack_token_ids(value, what)
+
+
+def _pack_list(value: list[object]) -> tuple[array[int], bytes] | None:
+    """A list of valid token ids packed (as unsigned 64-bit ints, and as bytes), or None.
+
+    None sends the caller to the general path, which says what is wrong.
+
+    NOTE: "Q" packs several times faster than "q" in CPython, refuses
+    negative ids, and its bytes equal "q"'s below 2**63.
+    """
+    try:
+        packed = array("Q", cast("list[int]", value))
+    except (TypeError, OverflowError):
+        return None
+    data = packed.tobytes()
+    if not data[_HIGH_BYTE::8].isascii():
+        return None  # an id of 2**63 or more: its high bit is set
+    ids = np.frombuffer(data, np.uint64)
+    if packed and ids.min() <= 1:  # bools pack as 0 and 1: read the type of just those elements
+        zeros_and_ones = np.flatnonzero(ids <= 1).tolist()
+        if any(value[index].__class__ is not int for index in zeros_and_ones):
+            return None
+    return packed, data
 
 
 #: Where an id's high byte is in the native byte order ``array`` packs in.

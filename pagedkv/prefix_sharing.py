@@ -60,6 +60,11 @@ class PrefixSharing:
         """Share the longest cached run of ``token_ids``' full blocks into ``record``; return its tokens.
 
         ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
+        Keys ``record`` already has (``block_keys``, then ``prompt_keys``: a
+        sequence resumed after a recompute preemption) must be keys of
+        ``token_ids``' leading blocks; they are used, not hashed again. Every
+        other usable block is hashed here, once: the keys past the hit stay
+        in ``record.prompt_keys`` until their blocks are written.
 
         NOTE: with a sliding window the whole chain is looked up (a key proves
         its entire prefix), but only the hit blocks the next token's window
@@ -68,8 +73,22 @@ class PrefixSharing:
         """
         bs = self._block_size
         num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
-        keys = block_keys(ROOT_KEY, tokens[: 8 * bs * num_usable], bs, record.extras, self._hasher)
+        known = record.block_keys + record.prompt_keys
+        keys = known[:num_usable]
+        if len(keys) < num_usable:
+            parent = keys[-1] if keys else ROOT_KEY
+            step = 8 * bs
+            keys += block_keys(
+                parent, tokens[step * len(keys) : step * num_usable], bs, record.extras, self._hasher
+            )
+        reference = tokens if len(tokens) >= len(record.prompt_tokens) else (
+            tokens + record.prompt_tokens[len(tokens) :]
+        )
+        chain = keys if len(keys) >= len(known) else known
         hit = self.cache.longest_prefix(keys)
+        record.block_keys = keys[: len(hit)]
+        record.prompt_keys = chain[len(hit) :]
+        record.prompt_tokens = reference if record.prompt_keys else b""
         if not hit:
             return 0
         num_hit = len(hit) * bs
@@ -89,11 +108,14 @@ class PrefixSharing:
         record.table = BlockTable.restored(bs, self._num_sink_tokens, num_hit, window_start, held)
         record.num_written = [num_hit] * self._num_layers
         record.token_ids = token_ids[:num_hit]
-        record.block_keys = keys[: len(hit)]
         return num_hit
 
     def key_full_blocks(self, record: SequenceRecord) -> None:
-        """Give keys to ``record``'s blocks that are full and written in every layer."""
+        """Give keys to ``record``'s blocks that are full and written in every layer.
+
+        A block's key is its prompt key when admission computed one, else it
+        is hashed now: each block is hashed once.
+        """
         if record.token_ids is None:
             return
         bs = self._block_size
@@ -101,9 +123,17 @@ class PrefixSharing:
         num_full = min(record.num_written) // bs
         if num_full <= first:
             return
-        parent = record.block_keys[-1] if record.block_keys else ROOT_KEY
-        tokens = token_bytes(record.token_ids[first * bs : num_full * bs])
-        new_keys = block_keys(parent, tokens, bs, record.extras, self._hasher)
+        pending = record.prompt_keys
+        new_keys = pending[: num_full - first]
+        if new_keys:
+            del pending[: len(new_keys)]
+            if not pending:
+                record.prompt_tokens = b""
+        num_ready = first + len(new_keys)
+        if num_ready < num_full:
+            parent = new_keys[-1] if new_keys else record.block_keys[-1] if record.block_keys else ROOT_KEY
+            tokens = token_bytes(record.token_ids[num_ready * bs : num_full * bs])
+            new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher)
         table = record.table
         for logical_block, key in enumerate(new_keys, start=first):
             if table.holds_block(logical_block):

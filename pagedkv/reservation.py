@@ -2,15 +2,20 @@
 
 :func:`plan_reservation` is pure: it reads the sequences' tables and the
 allocator's ref counts and returns a typed :class:`ReservationPlan`; the
-manager validates first, plans, and only then commits the plan. One plan
-serves ``plan()``, ``can_reserve()`` and ``reserve()``, so what the query
-predicts is exactly what the command does.
+manager validates first, plans, and only then commits the plan. One planning
+function (:func:`plan_steps`) serves ``plan()``, ``can_reserve()`` and
+``reserve()``, so what the query predicts is exactly what the command does.
 
 Per sequence, in order::
 
     1. evict: blocks wholly before the new window start go back (with a window);
     2. copy-on-write: a shared, partly filled last block is copied first;
     3. append: new blocks for the tokens past the last block's free slots.
+
+NOTE: an engine calls ``reserve`` every step for every sequence, so the
+parsed requests are parallel lists and each sequence's step a plain tuple:
+one ``reserve`` of one decode token builds no object per sequence but its
+``Batch`` (see benchmarks/bench_requests.py).
 """
 
 from __future__ import annotations
@@ -18,28 +23,31 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.batch import Batch
+from pagedkv.batch import Batch, SlotPiece, SlotRun, issue_batch
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
 from pagedkv.errors import ConfigError, DuplicateSequenceError, InputTypeError
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import as_token_ids
+from pagedkv.prefix_cache import pack_token_ids
 from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState, check_settled
 
 __all__ = [
-    "Request",
+    "ParsedRequests",
     "Requests",
     "ReservationPlan",
     "SequenceStep",
     "commit_reservation",
+    "commit_step",
     "parse_requests",
     "plan_reservation",
+    "plan_step",
+    "plan_steps",
+    "reserve_one",
     "resolve_requests",
 ]
 
@@ -51,20 +59,31 @@ _RESERVATION_IDS = itertools.count(1)
 # dict[str, int]; Any keys (validated as hashable at run time) accept every dict.
 Requests = Mapping[Any, "int | Sequence[int]"] | Iterable[tuple[Hashable, "int | Sequence[int]"]]
 
+#: One sequence's step of a plan: ``(window_start, copy_on_write, num_new_blocks)``.
+Step = tuple[int, bool, int]
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One sequence's part of a reservation, validated.
+
+
+class ParsedRequests:
+    """The requests of one reservation, their types and token ids validated, as parallel lists.
 
     Attributes:
-        seq_id: the sequence.
-        num_new_tokens: tokens to reserve (>= 1 once checked by the manager).
-        token_ids: their ids, or None when the caller gave a count.
+        seq_ids: each request's sequence, in order.
+        counts: tokens to reserve for each (>= 1 once checked by ``resolve_requests``).
+        token_ids: their ids, or None where the caller gave a count.
+        packed: the ids as int64 bytes (see ``pack_token_ids``), or None.
     """
 
-    seq_id: Hashable
-    num_new_tokens: int
-    token_ids: list[int] | None
+    __slots__ = ("counts", "packed", "seq_ids", "token_ids")
+
+    def __init__(self) -> None:
+        self.seq_ids: list[Hashable] = []
+        self.counts: list[int] = []
+        self.token_ids: list[list[int] | None] = []
+        self.packed: list[bytes | None] = []
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,37 +125,62 @@ class ReservationPlan:
     steps: tuple[SequenceStep, ...] = field(default=(), repr=False, compare=False)
 
 
-def parse_requests(requests: Requests) -> list[Request]:
-    """Every request of ``requests`` as a :class:`Request`, its types and token ids validated.
+def parse_requests(requests: Requests) -> ParsedRequests:
+    """Every request of ``requests``, its types and token ids validated.
 
     Raises:
         InputTypeError: not a mapping or pairs; a value neither a count nor token ids; a bad id.
         ConfigError: no request at all.
 
-    >>> [request.token_ids for request in parse_requests({"a": 2, "b": [5, 7]})]
-    [None, [5, 7]]
+    >>> parsed = parse_requests({"a": 2, "b": [5, 7]})
+    >>> parsed.seq_ids, parsed.counts, parsed.token_ids
+    (['a', 'b'], [2, 2], [None, [5, 7]])
     """
-    try:
-        items = list(requests.items() if isinstance(requests, Mapping) else requests)
-        pairs = [(seq_id, value) for seq_id, value in items]
-    except (TypeError, ValueError) as error:
-        raise InputTypeError(
-            f"requests must be a mapping or (seq_id, num_new_tokens) pairs, got {requests!r}"
-        ) from error
-    if not pairs:
-        raise ConfigError("a reservation needs at least one sequence")
-    result = []
+    if requests.__class__ is dict:
+        pairs: Iterable[tuple[Any, Any]] = requests.items()
+    else:
+        try:
+            items = list(requests.items() if isinstance(requests, Mapping) else requests)
+            pairs = [(seq_id, value) for seq_id, value in items]
+        except (TypeError, ValueError) as error:
+            raise InputTypeError(
+                f"requests must be a mapping or (seq_id, num_new_tokens) pairs, got {requests!r}"
+            ) from error
+    parsed = ParsedRequests()
+    seq_ids, counts, token_lists, packed_lists = (
+        parsed.seq_ids, parsed.counts, parsed.token_ids, parsed.packed
+    )
     for seq_id, value in pairs:
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            result.append(Request(seq_id, int(value), None))
+        seq_ids.append(seq_id)
+        if value.__class__ is int or (isinstance(value, (int, np.integer)) and not isinstance(value, bool)):
+            counts.append(int(value))
+            token_lists.append(None)
+            packed_lists.append(None)
             continue
-        token_ids = as_token_ids(value, f"sequence {seq_id!r}: give a token count or a list of token ids")
-        result.append(Request(seq_id, len(token_ids), token_ids))
-    return result
+        if _one_token_id(value):
+            token_ids, packed = [value[0]], None  # one decode token: packed only if it is needed
+        else:
+            token_ids, packed = pack_token_ids(
+                value, f"sequence {seq_id!r}: give a token count or a list of token ids"
+            )
+        counts.append(len(token_ids))
+        token_lists.append(token_ids)
+        packed_lists.append(packed)
+    if not seq_ids:
+        raise ConfigError("a reservation needs at least one sequence")
+    return parsed
+
+
+def _one_token_id(value: Any) -> bool:
+    """Whether ``value`` is a list of one valid token id (a decode token), checked without packing it."""
+    if value.__class__ is not list or len(value) != 1:
+        return False
+    token_id = value[0]
+    return token_id.__class__ is int and 0 <= token_id < 1 << 63
 
 
 def resolve_requests(
-    records: SequenceRegistry, requests: Sequence[Request], *, keyed: bool, num_layers: int
+    records: SequenceRegistry, requests: ParsedRequests, *, keyed: bool, num_layers: int
 ) -> list[SequenceRecord]:
     """Each request's record, every request checked: known, once, a count >= 1, settled.
 
@@ -150,70 +194,109 @@ def resolve_requests(
         UnknownSequenceError, DuplicateSequenceError, ConfigError, InputTypeError,
         SequenceStateError: as ``KVCacheManager.reserve`` documents.
     """
-    seen: set[Hashable] = set()
+    seen: set[Hashable] | None = set() if len(requests.seq_ids) > 1 else None
     resolved = []
-    for request in requests:
-        record = records.record(request.seq_id)
-        if request.seq_id in seen:
-            raise DuplicateSequenceError(f"sequence {request.seq_id!r} appears twice in one reservation")
-        seen.add(request.seq_id)
-        if request.num_new_tokens < 1:
-            check_count(f"tokens for sequence {request.seq_id!r}", request.num_new_tokens)
-        # Fast path: the last layer written and one layer means settled.
-        table = record.table
-        settled = record.state is SequenceState.RUNNING and record.num_written[-1] == table.num_tokens
-        if not settled or (num_layers > 1 and record.pending_layers()):
+    running = SequenceState.RUNNING
+    for seq_id, count, token_ids in zip(requests.seq_ids, requests.counts, requests.token_ids):
+        try:
+            record = records[seq_id]
+        except (KeyError, TypeError):
+            record = records.record(seq_id)  # raises the typed error
+        if seen is not None:
+            if seq_id in seen:
+                raise DuplicateSequenceError(f"sequence {seq_id!r} appears twice in one reservation")
+            seen.add(seq_id)
+        if count < 1:
+            check_count(f"tokens for sequence {seq_id!r}", count)
+        # Settled: running, and every layer wrote every reserved token (no count exceeds it).
+        num_written = record.num_written
+        num_tokens = record.table.num_tokens
+        if record.state is not running or num_written[-1] != num_tokens or (
+            num_layers > 1 and min(num_written) != num_tokens
+        ):
             check_settled(record, "reserve for")
-        if keyed and request.token_ids is None and record.token_ids is not None:
+        if keyed and token_ids is None and record.token_ids is not None:
             raise ConfigError(
-                f"sequence {request.seq_id!r} caches its blocks by prefix, so its reservations need "
-                f"token ids ({{{request.seq_id!r}: [17, 4, ...]}}), not a count; or add it with "
+                f"sequence {seq_id!r} caches its blocks by prefix, so its reservations need "
+                f"token ids ({{{seq_id!r}: [17, 4, ...]}}), not a count; or add it with "
                 "add_sequence(..., cache_blocks=False)"
             )
         resolved.append(record)
     return resolved
 
 
-def plan_reservation(
+def plan_step(
+    table: BlockTable, count: int, allocator: BlockAllocator, window: int | None, ref_drops: dict[int, int]
+) -> tuple[Step, int]:
+    """One sequence's step of a plan, and how many blocks its evictions give back to the pool.
+
+    ``ref_drops`` counts the references the plan's earlier steps drop from
+    each block (evictions and copies); this step adds its own.
+    """
+    bs = table.block_size
+    num_tokens = table.num_tokens
+    window_start = table.window_start
+    num_released = 0
+    if window is not None:
+        window_start = num_tokens + 1 - window
+        for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
+            ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
+            if ref_drops[block_id] == allocator.ref_count(block_id):
+                num_released += 1
+    copy_on_write = False
+    if num_tokens % bs and table.num_blocks:  # a partly filled last block: copied first if shared
+        last = table.last_block_id
+        if allocator.ref_count(last) - ref_drops.get(last, 0) > 1:
+            copy_on_write = True
+            ref_drops[last] = ref_drops.get(last, 0) + 1
+    # ceil((num_tokens + count) / bs) - ceil(num_tokens / bs): BlockTable.num_new_blocks, inlined
+    num_blocks = (num_tokens // -bs) - ((num_tokens + count) // -bs)
+    return (window_start, copy_on_write, num_blocks), num_released
+
+
+def plan_steps(
     tables: Sequence[BlockTable],
-    requests: Sequence[Request],
+    counts: Sequence[int],
     allocator: BlockAllocator,
     window: int | None,
-) -> ReservationPlan:
-    """Plan ``requests`` (already validated) against their sequences' ``tables``; change nothing.
+) -> tuple[int, int, int, list[Step]]:
+    """Plan ``counts`` new tokens (validated) for the sequences of ``tables``; change nothing.
 
-    Args:
-        tables: the block table of each request's sequence, in order.
-        requests: the requests, each sequence once.
-        allocator: the pool's allocator (only its ref counts and free count are read).
-        window: the window that frees blocks, or None.
+    Returns:
+        ``(num_new_blocks, num_copy_on_write, num_released_blocks, steps)``
+        as :class:`ReservationPlan` names them, each step a
+        ``(window_start, copy_on_write, num_new_blocks)`` tuple.
 
     A block released by a later sequence counts as available to an earlier
     sequence's new blocks: ``reserve`` evicts for every sequence first.
     """
-    block_size = 0
     ref_drops: dict[int, int] = {}
-    steps = []
+    steps: list[Step] = []
     num_new = num_cow = num_released = 0
-    for table, request in zip(tables, requests):
-        block_size = table.block_size
-        window_start = table.window_start
-        if window is not None:
-            window_start = table.num_tokens + 1 - window
-            for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
-                ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
-                if ref_drops[block_id] == allocator.ref_count(block_id):
-                    num_released += 1
-        copy_on_write = False
-        if table.num_tokens % block_size and table.num_blocks:
-            last = table.last_block_id
-            if allocator.ref_count(last) - ref_drops.get(last, 0) > 1:
-                copy_on_write = True
-                ref_drops[last] = ref_drops.get(last, 0) + 1
-        num_blocks = table.num_new_blocks(request.num_new_tokens)
-        num_new += num_blocks + copy_on_write
-        num_cow += copy_on_write
-        steps.append(SequenceStep(window_start, copy_on_write, num_blocks))
+    for table, count in zip(tables, counts):
+        step, released = plan_step(table, count, allocator, window, ref_drops)
+        num_new += step[2] + step[1]
+        num_cow += step[1]
+        num_released += released
+        steps.append(step)
+    return num_new, num_cow, num_released, steps
+
+
+def plan_reservation(
+    tables: Sequence[BlockTable],
+    counts: Sequence[int],
+    allocator: BlockAllocator,
+    window: int | None,
+) -> ReservationPlan:
+    """:func:`plan_steps` as a :class:`ReservationPlan` (what ``KVCacheManager.plan`` returns).
+
+    Args:
+        tables: the block table of each request's sequence, in order.
+        counts: new tokens per sequence, each sequence once.
+        allocator: the pool's allocator (only its ref counts and free count are read).
+        window: the window that frees blocks, or None.
+    """
+    num_new, num_cow, num_released, steps = plan_steps(tables, counts, allocator, window)
     num_free = allocator.num_free_blocks
     return ReservationPlan(
         fits=num_new <= num_free + num_released,
@@ -221,14 +304,14 @@ def plan_reservation(
         num_copy_on_write=num_cow,
         num_released_blocks=num_released,
         num_free_blocks=num_free,
-        steps=tuple(steps),
+        steps=tuple(SequenceStep(*step) for step in steps),
     )
 
 
 def commit_reservation(
     records: Sequence[SequenceRecord],
-    requests: Sequence[Request],
-    plan: ReservationPlan,
+    requests: ParsedRequests,
+    steps: Sequence[Step],
     pool: KVPool,
     windowed: bool,
 ) -> Batch:
@@ -241,42 +324,132 @@ def commit_reservation(
     if windowed:
         # Every eviction first: the plan counts a later sequence's released
         # blocks as available to an earlier sequence's new blocks.
-        for record, step in zip(records, plan.steps):
-            if step.window_start > record.table.window_start:
-                released = record.table.evict_to(step.window_start)
+        for record, step in zip(records, steps):
+            if step[0] > record.table.window_start:
+                released = record.table.evict_to(step[0])
                 if released:
                     allocator.free(released)
-    slots: list[int] = []
-    first_positions, stamps = [], []
-    for record, request, step in zip(records, requests, plan.steps):
-        if request.token_ids is None:
-            record.token_ids = None  # a count: this sequence's token ids are unknown from here on
-        elif record.token_ids is not None:
-            record.token_ids.extend(request.token_ids)
-        table = record.table
-        if step.copy_on_write:
-            copy = allocator.allocate_one()
-            pool.copy_blocks([table.last_block_id], [copy])
-            allocator.free_one(table.replace_last(copy))
-        start = table.num_tokens
-        num_new = request.num_new_tokens
-        table.append(num_new, allocator.allocate(step.num_new_blocks) if step.num_new_blocks else [])
-        first_positions.append(start)
-        if num_new == 1:
-            slots.append(table.slot(start))
-        else:
-            slots.extend(table.slots(start, start + num_new))
-        record.reservation_id = stamp = next(_RESERVATION_IDS)
-        stamps.append(stamp)
-    counts = [request.num_new_tokens for request in requests]
-    batch = Batch(
-        seq_ids=tuple(request.seq_id for request in requests),
-        num_new_tokens=tuple(counts),
-        first_positions=tuple(first_positions),
-        query_start=np.array([0, *accumulate(counts)], np.int64),
-        slot_mapping=np.array(slots, np.int64),
-        reservation_ids=tuple(stamps),
+    pieces: list[SlotPiece] = []
+    first_positions = []
+    stamp = next(_RESERVATION_IDS)
+    for record, token_ids, packed, count, step in zip(
+        records, requests.token_ids, requests.packed, requests.counts, steps
+    ):
+        first_positions.append(commit_step(record, count, token_ids, packed, step, pool, pieces))
+        record.reservation_id = stamp
+    batch = issue_batch(
+        tuple(requests.seq_ids), tuple(requests.counts), tuple(first_positions), pieces,
+        (stamp,) * len(records),
     )
     for record in records:
         record.batch = batch
+    return batch
+
+
+def commit_step(
+    record: SequenceRecord,
+    count: int,
+    token_ids: list[int] | None,
+    packed: bytes | None,
+    step: Step,
+    pool: KVPool,
+    slots: list[SlotPiece],
+) -> int:
+    """One sequence's part of a commit after its eviction: ids, copy-on-write, append; return its start.
+
+    The new tokens' slots go to ``slots``: an int for one token, else a :class:`SlotRun`.
+    """
+    record.note_reserved(token_ids, packed)
+    allocator = pool.allocator
+    table = record.table
+    if step[1]:
+        copy = allocator.allocate_one()
+        pool.copy_blocks([table.last_block_id], [copy])
+        allocator.free_one(table.replace_last(copy))
+    start = table.num_tokens
+    num_blocks = step[2]
+    if count == 1:
+        table.append(1, [allocator.allocate_one()] if num_blocks else [])
+        slots.append(table.slot(start))
+        return start
+    new_ids = allocator.allocate(num_blocks) if num_blocks else []
+    offset = start % table.block_size
+    covering = [table.last_block_id, *new_ids] if offset else new_ids  # the blocks from ``start`` on
+    table.append(count, new_ids)
+    slots.append(SlotRun(covering, offset, count, table.block_size))
+    return start
+
+
+def reserve_one(
+    records: SequenceRegistry,
+    seq_id: Any,
+    value: Any,
+    pool: KVPool,
+    window: int | None,
+    keyed: bool,
+) -> Batch | None:
+    """``reserve`` of one sequence on its common path, or None where that path does not apply.
+
+    The common path: a count or one plain int id, a known, running, settled
+    sequence, no window, no copy-on-write, and room in the pool. It checks
+    what ``parse_requests`` and ``resolve_requests`` would; anything else
+    (every error included) is left to the general path, which raises.
+    Nothing changes before the plan is known to fit.
+
+    NOTE: the decode token (one token, no window) is planned and committed
+    here by hand: its plan is "a new block iff the last one is full; a
+    shared, partly filled last block means copy-on-write, which the general
+    path does". An engine makes this call for every sequence every step, and
+    two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
+    of it. tests/test_manager_speed_paths.py feeds the same calls to this
+    path and the general one and compares every state, batch and error, and
+    runs the state machines with this path off.
+    """
+    if window is not None:
+        return None
+    if value.__class__ is int:
+        if value < 1:
+            return None
+        count, token_ids = value, None
+    elif _one_token_id(value):
+        count, token_ids = 1, [value[0]]
+    else:
+        return None
+    try:
+        record = records[seq_id]
+    except (KeyError, TypeError):
+        return None
+    table = record.table
+    num_tokens = table.num_tokens
+    num_written = record.num_written
+    if record.state is not SequenceState.RUNNING or num_written[-1] != num_tokens or (
+        len(num_written) > 1 and min(num_written) != num_tokens
+    ):
+        return None
+    if keyed and token_ids is None and record.token_ids is not None:
+        return None
+    allocator = pool.allocator
+    if count > 1:
+        step, _ = plan_step(table, count, allocator, None, {})
+        if step[1] or step[2] > allocator.num_free_blocks:
+            return None
+        # ---- validated: nothing below can fail ----
+        slot_mapping: list[SlotPiece] = []
+        start = commit_step(record, count, None, None, step, pool, slot_mapping)
+    else:
+        if num_tokens % table.block_size:
+            if allocator.ref_count(table.last_block_id) > 1:
+                return None  # a shared, partly filled last block: copy-on-write
+            new_block = False
+        elif allocator.num_free_blocks:
+            new_block = True
+        else:
+            return None  # the general path raises PoolExhaustedError
+        # ---- validated: nothing below can fail ----
+        record.note_reserved(token_ids, None)
+        table.append(1, [allocator.allocate_one()] if new_block else [])
+        start = num_tokens
+        slot_mapping = [table.slot(start)]
+    record.reservation_id = stamp = next(_RESERVATION_IDS)
+    record.batch = batch = issue_batch((seq_id,), (count,), (start,), slot_mapping, (stamp,))
     return batch

@@ -152,25 +152,30 @@ class SequenceRecord:
         twin.prompt_tokens = self.prompt_tokens
         return twin
 
-    def extend_tokens(self, token_ids: list[int], packed: bytes) -> None:
-        """Append the ids of newly reserved tokens (``packed``: their int64 bytes), if keying is on.
+    def note_reserved(self, token_ids: list[int] | None, packed: bytes | None) -> None:
+        """Take the ids of newly reserved tokens (``packed``: their int64 bytes, None if not at hand).
 
+        A count instead of ids (``token_ids`` None) ends keying for good.
         Prompt keys whose blocks the new ids do not match are dropped, from
         the first block that differs on (see the class docstring).
         """
         own = self.token_ids
         if own is None:
             return  # keying is off for this sequence: its ids are not kept
+        if token_ids is None:
+            self.stop_keying()
+            return
         start = len(own)
         own.extend(token_ids)
         if not self.prompt_keys:
             return
+        if packed is None:
+            packed = array("q", token_ids).tobytes()  # validated ids: only their bytes are wanted
         reference = self.prompt_tokens[8 * start : 8 * start + len(packed)]
         if packed.startswith(reference):
             return
         first = next(i for i in range(0, len(reference), 8) if packed[i : i + 8] != reference[i : i + 8])
-        block_size = self.table.block_size
-        self.drop_prompt_keys((start + first // 8) // block_size)
+        self.drop_prompt_keys((start + first // 8) // self.table.block_size)
 
     def drop_prompt_keys(self, logical_block: int = 0) -> None:
         """Forget the prompt keys of logical blocks from ``logical_block`` on."""
