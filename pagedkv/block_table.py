@@ -104,8 +104,12 @@ class BlockTable:
         Raises:
             InputTypeError, ConfigError: a size is not an int (>= 1; sinks >= 0).
         """
-        self.block_size = check_count("block_size", block_size)
-        self.num_sink_tokens = check_count("num_sink_tokens", num_sink_tokens, minimum=0)
+        if block_size.__class__ is not int or block_size < 1:  # the common case costs one test
+            block_size = check_count("block_size", block_size)
+        if num_sink_tokens.__class__ is not int or num_sink_tokens < 0:
+            num_sink_tokens = check_count("num_sink_tokens", num_sink_tokens, minimum=0)
+        self.block_size = block_size
+        self.num_sink_tokens = num_sink_tokens
         self.num_sink_blocks = ceil_div(num_sink_tokens, block_size)
         #: Logical length: every token ever appended, evicted ones included.
         self.num_tokens = 0
