@@ -30,20 +30,17 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, batch_records, issued_slots
+from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
-from pagedkv.counts import check_layer
 from pagedkv.errors import (
     ConfigError,
     InputTypeError,
     PoolExhaustedError,
     SequenceStateError,
 )
-from pagedkv.inputs import as_tokens, check_score_bound, check_tokens
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
 from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
-from pagedkv.paged_attention import attend_batch
 from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import PrefixCache, check_token_ids, encode_extra_keys, pack_token_ids, token_bytes
 from pagedkv.prefix_sharing import PrefixSharing
@@ -66,6 +63,7 @@ from pagedkv.sequence import (
     SequenceState,
     check_settled,
 )
+from pagedkv.step import attend_layer, write_layer
 from pagedkv.swap import check_host_pool, swap_in, swap_out
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
@@ -379,36 +377,11 @@ class KVCacheManager:
             SequenceStateError: the batch is stale, or this layer was written.
             ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
         """
-        pool = self.pool
-        with pool.lock:  # inline, as in reserve
-            if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
-                check_layer(layer, pool.num_layers)
-            seqs = batch_records(self._seqs, batch)
-            first_positions, counts = batch.first_positions, batch.num_new_tokens
-            for seq, start in zip(seqs, first_positions):
-                if seq.num_written[layer] != start:
-                    raise SequenceStateError(
-                        f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
-                    )
-            expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
-            key_array, largest_key = check_tokens("keys", keys, pool.dtype, expected)
-            value_array, _ = check_tokens("values", values, pool.dtype, expected, not self.trusted_inputs)
-            # ---- validated ----
-            slot = issued_slots(batch)[0]
-            if expected[0] == 1 and isinstance(slot, int):  # one token: copied by block and offset
-                block_id, offset = divmod(slot, pool.block_size)
-                pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
-            else:
-                pool.write(layer, batch.slot_mapping, key_array, value_array)
-            if largest_key > self._max_abs_key[layer]:
-                self._max_abs_key[layer] = largest_key
-            # Settle: the layer holds the batch's tokens; blocks full in every layer get keys.
-            sharing = self._sharing
-            for seq, start, num_new in zip(seqs, first_positions, counts):
-                end = seq.num_written[layer] = start + num_new
-                # A block can only get its key once some layer's count crosses its end.
-                if sharing is not None and end // pool.block_size > len(seq.block_keys):
-                    sharing.key_full_blocks(seq)
+        with self.pool.lock:  # inline, as in reserve
+            write_layer(
+                self.pool, self._seqs, self._sharing, self._max_abs_key, self.trusted_inputs,
+                layer, batch, keys, values,
+            )
 
     def attend(self, layer: int, batch: Batch, queries: Any, *, method: str = "loop") -> npt.NDArray[Any]:
         """Attention of every new token of ``batch`` over its own sequence, in one call.
@@ -433,23 +406,9 @@ class KVCacheManager:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError, ConfigError: bad arguments; nothing changes.
         """
-        check_layer(layer, self.pool.num_layers)
-        if method not in ("loop", "padded"):
-            raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
-        seqs = batch_records(self._seqs, batch)
-        for seq in seqs:
-            if seq.num_written[layer] != seq.table.num_tokens:
-                raise SequenceStateError(
-                    f"sequence {seq.seq_id!r} has no k/v written in layer {layer} for this batch; "
-                    "call write() first"
-                )
-        expected = (batch.num_tokens, self.num_q_heads, self.pool.head_dim)
-        query_array = as_tokens("queries", queries, self.pool.dtype, expected)
-        check_score_bound(self.scale, query_array, self._max_abs_key[layer], self.pool.dtype)
-        tables = [seq.table for seq in seqs]
-        window = self.layer_max_sizes[layer]
-        return attend_batch(
-            self.pool, layer, tables, batch.query_start, window, query_array, self.scale, method
+        return attend_layer(
+            self.pool, self._seqs, self._max_abs_key, self.scale, self.num_q_heads, self.layer_max_sizes,
+            layer, batch, queries, method,
         )
 
     @locked

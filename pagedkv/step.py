@@ -1,0 +1,115 @@
+"""One layer of a forward step: writing a batch's keys and values, and attending its queries.
+
+The manager reserves once per step (:mod:`pagedkv.reservation`); then, per
+layer, :func:`write_layer` stores the new tokens' k/v at the batch's slots and
+:func:`attend_layer` computes each new token's attention over its own
+sequence. Both check the batch against the records first (only the very batch
+``reserve`` returned, still reserved) and change nothing when they raise::
+
+    batch = reserve(...)                 once per step
+    write_layer(layer 0) -> attend_layer(layer 0) -> write_layer(layer 1) -> ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy.typing as npt
+
+from pagedkv.batch import Batch, batch_records, issued_slots
+from pagedkv.counts import check_layer
+from pagedkv.errors import ConfigError, SequenceStateError
+from pagedkv.inputs import as_tokens, check_score_bound, check_tokens
+from pagedkv.paged_attention import attend_batch
+from pagedkv.pool import KVPool
+from pagedkv.prefix_sharing import PrefixSharing
+from pagedkv.sequence import SequenceRegistry
+
+__all__ = ["attend_layer", "write_layer"]
+
+
+def write_layer(
+    pool: KVPool,
+    records: SequenceRegistry,
+    sharing: PrefixSharing | None,
+    max_abs_key: list[float],
+    trusted_inputs: bool,
+    layer: int,
+    batch: Batch,
+    keys: Any,
+    values: Any,
+) -> None:
+    """Store one layer's k/v for every token of ``batch`` (the caller holds ``pool.lock``).
+
+    Updates ``max_abs_key[layer]``, each record's written count, and (with
+    ``sharing``) keys the blocks now full in every layer.
+
+    Raises:
+        LayerIndexError, InputTypeError: a bad ``layer``.
+        SequenceStateError: the batch is stale, not the one ``reserve`` returned, or already written.
+        ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
+    """
+    if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
+        check_layer(layer, pool.num_layers)
+    seqs = batch_records(records, batch)
+    first_positions, counts = batch.first_positions, batch.num_new_tokens
+    for seq, start in zip(seqs, first_positions):
+        if seq.num_written[layer] != start:
+            raise SequenceStateError(
+                f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
+            )
+    expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
+    key_array, largest_key = check_tokens("keys", keys, pool.dtype, expected)
+    value_array, _ = check_tokens("values", values, pool.dtype, expected, not trusted_inputs)
+    # ---- validated ----
+    slot = issued_slots(batch)[0]
+    if expected[0] == 1 and isinstance(slot, int):  # one token: copied by block and offset
+        block_id, offset = divmod(slot, pool.block_size)
+        pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
+    else:
+        pool.write(layer, batch.slot_mapping, key_array, value_array)
+    if largest_key > max_abs_key[layer]:
+        max_abs_key[layer] = largest_key
+    # Settle: the layer holds the batch's tokens; blocks full in every layer get keys.
+
+    for seq, start, num_new in zip(seqs, first_positions, counts):
+        end = seq.num_written[layer] = start + num_new
+        # A block can only get its key once some layer's count crosses its end.
+        if sharing is not None and end // pool.block_size > len(seq.block_keys):
+            sharing.key_full_blocks(seq)
+
+
+def attend_layer(
+    pool: KVPool,
+    records: SequenceRegistry,
+    max_abs_key: list[float],
+    scale: float,
+    num_q_heads: int,
+    windows: Sequence[int | None],
+    layer: int,
+    batch: Batch,
+    queries: Any,
+    method: str,
+) -> npt.NDArray[Any]:
+    """Attention of every new token of ``batch`` over its own sequence, in layer ``layer``.
+
+    Raises:
+        LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
+        NonFiniteError, ConfigError: bad arguments, or the layer is not written; nothing changes.
+    """
+    check_layer(layer, pool.num_layers)
+    if method not in ("loop", "padded"):
+        raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
+    seqs = batch_records(records, batch)
+    for seq in seqs:
+        if seq.num_written[layer] != seq.table.num_tokens:
+            raise SequenceStateError(
+                f"sequence {seq.seq_id!r} has no k/v written in layer {layer} for this batch; "
+                "call write() first"
+            )
+    expected = (batch.num_tokens, num_q_heads, pool.head_dim)
+    query_array = as_tokens("queries", queries, pool.dtype, expected)
+    check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
+    tables = [seq.table for seq in seqs]
+    return attend_batch(pool, layer, tables, batch.query_start, windows[layer], query_array, scale, method)
