@@ -473,7 +473,6 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.profile:
         profile(raw, mgr)
-        proposals(repeats)
     print()
     print(footer())
 
@@ -494,104 +493,6 @@ def profile(raw: BlockAllocator, mgr: ManagerBench) -> None:
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
         print(f"\n## cProfile: {title}\n")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
-
-
-def python_range_slots(table: Any, ranges: list[tuple[int, int]]) -> list[int]:
-    """``range_slots`` without numpy: one ``range`` per block run (a proposal)."""
-    block_size = table.block_size
-    slots: list[int] = []
-    for start, end in ranges:
-        position = start
-        while position < end:
-            first = table.slot(position)
-            num = min(block_size - position % block_size, end - position)
-            slots.extend(range(first, first + num))
-            position += num
-    return slots
-
-
-def proposals(repeats: int) -> None:
-    """Measure the pieces of ``reserve`` that the profile points at, and one patch end to end."""
-    import timeit
-    from itertools import accumulate
-
-    import pagedkv.manager as manager_module
-    from pagedkv.batch import Batch
-
-    def cpu_us(fn: Callable[[], Any], number: int) -> float:
-        times = timeit.repeat(fn, number=number, repeat=max(5, repeats // 3), timer=time.process_time)
-        return statistics.median(times) / number * 1e6
-
-    print("\n## Where reserve's time goes (CPU µs per call, median)\n")
-    print("| piece | now | proposal | proposal's code |")
-    print("|---|---:|---:|---|")
-    pool = KVPool(NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=1, dtype=np.float32)
-    manager = KVCacheManager(pool)
-    manager.add_sequence("s")
-    batch = manager.reserve({"s": 600})
-    _mark_written(manager, batch)
-    table = manager.block_table("s")
-    range_slots = manager_module.range_slots
-    for n in (16, 512):
-        ranges = [(600 - n, 600)]
-        assert range_slots(table, ranges).tolist() == python_range_slots(table, ranges)
-        now = cpu_us(lambda r=ranges: range_slots(table, r).tolist(), 2000)
-        new = cpu_us(lambda r=ranges: python_range_slots(table, r), 2000)
-        code = "`python_range_slots`: one `range` per block"
-        print(f"| slots of {n} new tokens | {now:.2f} | {new:.2f} | {code} |")
-    for num_seqs in (1, 64):
-        counts = [1] * num_seqs
-        now = cpu_us(lambda c=counts: np.concatenate([[0], np.cumsum(c)]).astype(np.int64), 5000)
-        new = cpu_us(lambda c=counts: np.array([0, *accumulate(c)], np.int64), 5000)
-        code = "`np.array([0, *accumulate(counts)], np.int64)`"
-        print(f"| query_start, {num_seqs} seqs | {now:.2f} | {new:.2f} | {code} |")
-    query_start, slots = np.array([0, 1]), np.array([3])
-    made = cpu_us(lambda: Batch(seq_ids=("s",), num_new_tokens=(1,), first_positions=(0,),
-                                query_start=query_start, slot_mapping=slots, reservation_ids=(1,)), 5000)
-    print(f"| Batch(...) (frozen dataclass) | {made:.2f} | | |")
-
-    def one_token() -> None:
-        _mark_written(manager, manager.reserve({"s": 1}))
-
-    print(f"| reserve 1 token (1 seq), whole call | {cpu_us(one_token, 200):.2f} | | |")
-    manager.free("s")
-    # A multi-token reserve builds an array of the whole table (np.array(table.block_ids) in
-    # range_slots): its cost grows with the tokens already held.
-    big = KVCacheManager(KVPool(8192, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=1, dtype=np.float32))
-    patched = lambda table, ranges: np.array(python_range_slots(table, ranges), np.intp)  # noqa: E731
-    for held in (512, 16384, 65536):
-        big.add_sequence(held)
-        _mark_written(big, big.reserve({held: held}))
-
-        def grow(seq_id: int = held) -> None:
-            _mark_written(big, big.reserve({seq_id: BLOCK_SIZE}))
-
-        now = cpu_us(grow, 20)
-        manager_module.range_slots = patched  # type: ignore[assignment]
-        try:
-            new = cpu_us(grow, 20)
-        finally:
-            manager_module.range_slots = range_slots  # type: ignore[assignment]
-        print(f"| reserve 16 tokens, whole call, {held} tokens held | {now:.2f} | {new:.2f} | "
-              "range_slots patched to `python_range_slots` |")
-        big.free(held)
-
-    # End to end: the request cycle with range_slots swapped for the Python one.
-    bench = ManagerBench(write=False)
-    rates = {}
-    for label, replacement in (("now", range_slots), ("python range_slots", patched)):
-        manager_module.range_slots = replacement  # type: ignore[assignment]
-        try:
-            bench.cycle()
-            samples = [bench.cycle() for _ in range(max(5, repeats // 2))]
-        finally:
-            manager_module.range_slots = range_slots  # type: ignore[assignment]
-        rates[label] = statistics.median(units / cpu for units, (_, cpu) in samples)
-    print(
-        f"\nrequest cycle through the manager (bookkeeping): {fmt_rate(rates['now'])} cycles/s now, "
-        f"{fmt_rate(rates['python range_slots'])} with range_slots in pure Python "
-        f"({rates['python range_slots'] / rates['now']:.2f}x)"
-    )
 
 
 if __name__ == "__main__":
