@@ -404,3 +404,24 @@ def test_a_save_never_removes_a_live_savers_temporary_and_cleans_up_after_killed
     assert sorted(os.listdir(tmp_path)) == ["c.safetensors"]
     print(f"{num_kills + 1} kills mid-save; {len(left)} temporaries before the last save, none after")
     assert isinstance(snapshot.load(path), KVCache)
+
+
+def test_a_trusted_manager_stays_trusted_after_a_round_trip_and_a_default_one_saves_no_new_field(
+    tmp_path: Any,
+) -> None:
+    import json
+    import struct
+
+    from pagedkv import KVCacheManager, KVPool, snapshot
+
+    for trusted in (False, True):
+        manager = KVCacheManager(KVPool(4, block_size=2, head_dim=1), trusted_inputs=trusted)
+        path = str(tmp_path / f"m{trusted}.safetensors")
+        snapshot.save(manager, path)
+        loaded = snapshot.load(path)
+        assert isinstance(loaded, KVCacheManager) and loaded.trusted_inputs is trusted
+        with open(path, "rb") as handle:
+            data = handle.read()
+        (size,) = struct.unpack("<Q", data[:8])
+        state = json.loads(json.loads(data[8 : 8 + size])["__metadata__"]["state"])
+        assert ("trusted_inputs" in state["manager"]) is trusted

@@ -148,6 +148,8 @@ def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
                 "num_evictions": own.num_prefix_evictions,
             } if manager.prefix_caching else None,
             "sequences": sequences,
+            # NOTE: only when set, so a default manager's file is byte for byte what it always was.
+            **({"trusted_inputs": True} if manager.trusted_inputs else {}),
         },
         "pools": pools,
     }

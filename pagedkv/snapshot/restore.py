@@ -262,6 +262,7 @@ def _restore_manager(
     scale = config.number("scale", non_negative=False)
     prefix_on = config.get("enable_prefix_caching", bool)
     hash_algorithm = config.choice("hash_algorithm", tuple(HASH_KEY_SIZES))
+    trusted_inputs = config.get("trusted_inputs", bool) if "trusted_inputs" in config.value else False
     max_abs_key = config.get("max_abs_key", list)
     if len(max_abs_key) != num_layers or not all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
@@ -317,7 +318,8 @@ def _restore_manager(
         built[role].allocator._restore_state(allocators[role].state(unkeyed if role == "device" else set()))
     manager = KVCacheManager(built["device"], layer_max_sizes=windows, num_sink_tokens=num_sinks,
                              num_q_heads=num_q_heads, scale=scale, host_pool=built.get("host"),
-                             enable_prefix_caching=prefix_on, hash_algorithm=hash_algorithm)
+                             enable_prefix_caching=prefix_on, hash_algorithm=hash_algorithm,
+                             trusted_inputs=trusted_inputs)
     manager._restore_state(ManagerState(
         max_abs_key=[float(x) for x in max_abs_key], counters=counters, records=saved_records,
         prefix_keys=keys, num_prefix_evictions=num_evictions,
