@@ -72,7 +72,6 @@ def write_layer(
     if largest_key > max_abs_key[layer]:
         max_abs_key[layer] = largest_key
     # Settle: the layer holds the batch's tokens; blocks full in every layer get keys.
-
     for seq, start, num_new in zip(seqs, first_positions, counts):
         end = seq.num_written[layer] = start + num_new
         # A block can only get its key once some layer's count crosses its end.
