@@ -342,8 +342,10 @@ class BlockAllocator:
 
     def release_deferred(self) -> None:
         """Run the actions ``defer`` handed over, oldest first (the caller holds the pool's lock)."""
-        while self._deferred:
-            self._deferred.pop(0)()
+        while self._deferred:  # an action may defer more: run those too
+            actions, self._deferred = self._deferred, []
+            for action in actions:
+                action()
 
     def free_one(self, block_id: int) -> None:
         """Drop one reference from ``block_id``; the fast path of ``free([block_id])``."""

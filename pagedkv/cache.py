@@ -369,7 +369,7 @@ class KVCache:
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)
         if not self._private:
-            self._finalizer = weakref.finalize(self, _finalize, pool, self._table)
+            self._finalizer = weakref.finalize(self, release_cache, pool, self._table)
 
     def _check_shapes(
         self, query: npt.NDArray[Any], key: npt.NDArray[Any], value: npt.NDArray[Any]
@@ -471,8 +471,3 @@ class KVCache:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"len={len(self)}, num_blocks={self.num_blocks}"
         return f"KVCache(max_size={self._max_size}, block_size={self._block_size}, {state})"
-
-
-def _finalize(pool: KVPool, table: BlockTable) -> None:
-    """Give a dropped cache's blocks back to its shared pool (any thread, any time)."""
-    release_cache(pool, table.clear())

@@ -61,9 +61,9 @@ def gather(keys: Array, values: Array, plan: ReadPlan, scratch: Scratch) -> tupl
     if plan.is_run:
         first, num = plan.block_ids[0], len(plan.block_ids)
         shape = (num_kv_heads, num * block_size, head_dim)
-        return keys[:, first : first + num].reshape(shape)[:, lo:hi], values[:, first : first + num].reshape(
-            shape
-        )[:, lo:hi]
+        key_run = keys[:, first : first + num].reshape(shape)
+        value_run = values[:, first : first + num].reshape(shape)
+        return key_run[:, lo:hi], value_run[:, lo:hi]
     key_run, value_run = _take_blocks(keys, values, plan.block_ids, scratch)
     return key_run[:, lo:hi], value_run[:, lo:hi]
 

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 
+from pagedkv.block_table import BlockTable
 from pagedkv.pool import KVPool
 from pagedkv.sequence import SequenceRegistry, SequenceState
 
@@ -63,8 +64,9 @@ def run_or_defer(pool: KVPool, action: Callable[[], None]) -> None:
         pool.allocator.defer(action)
 
 
-def release_cache(pool: KVPool, block_ids: list[int]) -> None:
-    """A dropped ``KVCache``'s finalizer: give its blocks back to its shared pool."""
+def release_cache(pool: KVPool, table: BlockTable) -> None:
+    """A dropped ``KVCache``'s finalizer: give its table's blocks back to its shared pool."""
+    block_ids = table.clear()
     run_or_defer(pool, lambda: pool.allocator.free(block_ids))
 
 

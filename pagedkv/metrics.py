@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from pagedkv.block_table import BlockTable
 from pagedkv.occupancy import count_live_slots
+from pagedkv.sequence import SequenceState
 
 if TYPE_CHECKING:
     from pagedkv.pool import KVPool
-    from pagedkv.sequence import SequenceState
 
 __all__ = ["COUNTERS", "ManagerMetrics", "collect_metrics"]
 
@@ -122,7 +122,6 @@ def collect_metrics(
     num_live_slots, _ = count_live_slots(running, pool.allocator)
     used = pool.num_used_blocks
     num_queries = counters["prefix_queries"]
-    names = [state.value for state in states]
     return ManagerMetrics(
         num_blocks=pool.num_blocks,
         num_used_blocks=used,
@@ -134,8 +133,8 @@ def collect_metrics(
         token_occupancy=num_live_slots / (pool.num_blocks * bs),
         internal_fragmentation=(1 - num_live_slots / (used * bs)) if used else 0.0,
         num_sequences=len(states),
-        num_running=names.count("running"),
-        num_swapped=names.count("swapped"),
+        num_running=sum(state is SequenceState.RUNNING for state in states),
+        num_swapped=sum(state is SequenceState.SWAPPED for state in states),
         num_host_used_blocks=host_pool.num_used_blocks if host_pool is not None else 0,
         num_forks=counters["forks"],
         num_copy_on_write=counters["copy_on_write"],

@@ -38,7 +38,6 @@ __all__ = [
     "HASH_KEY_SIZES",
     "ROOT_KEY",
     "PrefixCache",
-    "as_token_ids",
     "block_keys",
     "check_hash_algorithm",
     "check_token_ids",
@@ -130,18 +129,6 @@ def encode_extra_keys(extra_keys: Mapping[str, str | bytes | int] | None) -> byt
     return b"".join(parts)
 
 
-def as_token_ids(value: object, what: str) -> list[int]:
-    """``value`` (a sequence of ints, numpy ints included) as a list of token ids, validated.
-
-    ``what`` says what was expected, for the error ("prompt must be a sequence of token ids").
-
-    Raises:
-        InputTypeError: not a sequence (a str or bytes included), or an id is
-            not an int in ``0 .. 2**63 - 1``.
-    """
-    return pack_token_ids(value, what)[0]
-
-
 def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
     """``value`` as a new list of (plain int) token ids and as ``token_bytes`` of it, validated once.
 
@@ -152,8 +139,11 @@ def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
     refuse bools. Anything else, or any failure, takes the general path,
     whose errors it shares.
 
+    ``what`` says what was expected, for the error ("prompt must be a sequence of token ids").
+
     Raises:
-        InputTypeError: as :func:`as_token_ids`.
+        InputTypeError: not a sequence (a str or bytes included), or an id is
+            not an int in ``0 .. 2**63 - 1``.
 
     >>> token_ids, packed = pack_token_ids([1, 258], "ids")
     >>> token_ids, packed == token_bytes([1, 258]), len(packed)
@@ -174,7 +164,7 @@ def check_token_ids(value: object, what: str) -> None:
     """Refuse ``value`` unless :func:`pack_token_ids` would take it (without building the list).
 
     Raises:
-        InputTypeError: as :func:`as_token_ids`.
+        InputTypeError: as :func:`pack_token_ids`.
     """
     if value.__class__ is not list or _pack_list(value) is None:
         pack_token_ids(value, what)
