@@ -14,18 +14,17 @@ Layout, block_size 4, a sequence of 10 tokens whose window starts at index 5::
                                   block 1 still holds 5..7, so it stays
     table           [       , b1      , b2     ]   first_block_index = 1
 
-Logical index ``i`` lives in logical block ``i // block_size`` at offset
-``i % block_size``; logical block ``j`` is ``block_ids[j - first_block_index]``.
 With attention sinks the first ``ceil(num_sink_tokens / block_size)`` logical
 blocks are pinned: they are never freed, and the window part of the table
-starts after them.
+starts after them. Where each logical index lives is computed in
+:mod:`pagedkv.table_layout`, from the table's state only.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice, pairwise
+from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
@@ -33,12 +32,9 @@ import numpy.typing as npt
 from pagedkv.counts import ceil_div, check_count
 from pagedkv.errors import BlockTableError
 from pagedkv.read_plan import ReadPlan
+from pagedkv.table_layout import Ranges, count_breaks, live_blocks, read_plan, slot_array
 
 __all__ = ["BlockTable", "TableState"]
-
-#: Logical index ranges ``[start, end)``, in order.
-Ranges = list[tuple[int, int]]
-
 
 @dataclass(frozen=True, slots=True)
 class TableState:
@@ -124,12 +120,7 @@ class BlockTable:
 
     @classmethod
     def restored(
-        cls,
-        block_size: int,
-        num_sink_tokens: int,
-        num_tokens: int,
-        window_start: int,
-        block_ids: list[int],
+        cls, block_size: int, num_sink_tokens: int, num_tokens: int, window_start: int, block_ids: list[int]
     ) -> BlockTable:
         """A table of ``num_tokens`` tokens whose held blocks are ``block_ids``.
 
@@ -169,7 +160,7 @@ class BlockTable:
         self._first_block = state.first_block
         self._sink_ids = list(state.sink_ids)
         self._ids = deque(state.window_ids)
-        self._num_breaks = sum(1 for a, b in pairwise(state.window_ids) if a + 1 != b)
+        self._num_breaks = count_breaks(state.window_ids)
 
     # ---------------------------------------------------------------- queries
 
@@ -254,19 +245,7 @@ class BlockTable:
         >>> table.slot_array([(2, 6)]).tolist()
         [30, 31, 8, 9]
         """
-        if not ranges:
-            return np.empty(0, np.intp)
-        bs = self.block_size
-        block_ids = np.array(self.block_ids, np.intp)
-        positions = np.concatenate([np.arange(start, end) for start, end in ranges])
-        logical_block = positions // bs
-        index = np.where(
-            logical_block < self.num_sink_blocks,
-            logical_block,
-            logical_block - self._first_block + len(self._sink_ids),
-        )
-        slots: npt.NDArray[np.intp] = block_ids[index] * bs + positions % bs
-        return slots
+        return slot_array(self.block_size, ((0, self._sink_ids), (self._first_block, self._ids)), ranges)
 
     def read_plan(self, ranges: Ranges | None = None) -> ReadPlan:
         """How to read the held logical indices in ``ranges`` (default: every held one).
@@ -284,73 +263,17 @@ class BlockTable:
         """
         if ranges is None:
             ranges = self.live_ranges()
-        num_tokens = sum(end - start for start, end in ranges)
-        if not num_tokens:
-            return ReadPlan(0, is_run=True)
-        bs = self.block_size
-        start, end = ranges[0]
-        if len(ranges) > 1 or start // bs < self.num_sink_blocks:
-            return ReadPlan(num_tokens, slots=self.slot_array(ranges))
-        lo = start // bs - self._first_block
-        hi = ceil_div(end, bs) - self._first_block
-        if lo == 0 and hi == len(self._ids):
-            ids = tuple(self._ids)
-            is_run = self._num_breaks == 0
-        else:
-            ids = tuple(islice(self._ids, lo, hi))
-            is_run = all(a + 1 == b for a, b in pairwise(ids))
-        return ReadPlan(num_tokens, ids, start - (lo + self._first_block) * bs, is_run)
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Slots of held logical indices ``start .. end - 1`` as a list, one ``range`` per block.
-
-        >>> table = BlockTable(block_size=4)
-        >>> table.append(6, [7, 2])
-        >>> table.slots(2, 6)
-        [30, 31, 8, 9]
-        """
-        bs = self.block_size
-        out: list[int] = []
-        index = start
-        while index < end:
-            stop = min(end, (index // bs + 1) * bs)
-            first = self.slot(index)
-            out.extend(range(first, first + stop - index))
-            index = stop
-        return out
+        segments = ((0, self._sink_ids), (self._first_block, self._ids))
+        return read_plan(self.block_size, self.num_sink_blocks, segments, self._num_breaks, ranges)
 
     def live_blocks(self) -> tuple[list[int], dict[int, int]]:
         """Which held blocks hold live tokens: ``(wholly live ids, {partly live id: offset mask})``.
 
         Bit ``o`` of a mask is set when offset ``o`` of that block holds a live
-        token. A block with no live offset (the evicted part of the window's
-        first block only) is in neither. Only the blocks at the ends of the
-        sink and window parts can be partly live::
-
-            block_size 4, 2 sinks, window start 9, 14 tokens:
-                xx__ | (evicted) | _xxx | xxxx | xx__
-                sink               first  whole  last
+        token; see :func:`pagedkv.table_layout.live_blocks`.
         """
-        bs = self.block_size
-        whole: list[int] = []
-        masks: dict[int, int] = {}
         segments = ((0, self._sink_ids), (self._first_block, self._ids))
-        for start, end in self.live_ranges():
-            for first_logical, ids in segments:
-                lo_block = max(start // bs, first_logical)
-                hi_block = min(ceil_div(end, bs), first_logical + len(ids))  # exclusive
-                if lo_block >= hi_block:
-                    continue
-                # Blocks strictly between the range's first and last are whole.
-                whole.extend(islice(ids, lo_block + 1 - first_logical, hi_block - 1 - first_logical))
-                for logical in sorted({lo_block, hi_block - 1}):
-                    block_id = ids[logical - first_logical]
-                    lo, hi = max(start - logical * bs, 0), min(end - logical * bs, bs)
-                    # A sink block the window range reaches too gets both ranges' bits.
-                    masks[block_id] = masks.get(block_id, 0) | ((1 << hi) - (1 << lo))
-        full = (1 << bs) - 1
-        whole.extend(block_id for block_id, mask in masks.items() if mask == full)
-        return whole, {block_id: mask for block_id, mask in masks.items() if mask != full}
+        return live_blocks(self.block_size, segments, self.live_ranges())
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """Held logical index ranges ``[start, end)``, sinks first, in order."""
@@ -434,8 +357,7 @@ class BlockTable:
         num_sink = len(self._sink_ids)
         self._sink_ids = list(block_ids[:num_sink])
         self._ids = deque(block_ids[num_sink:])
-        window = list(self._ids)
-        self._num_breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
+        self._num_breaks = count_breaks(self._ids)
         return old
 
     def truncate(self, num_tokens: int) -> list[int]:
@@ -485,12 +407,7 @@ class BlockTable:
     def copy(self) -> BlockTable:
         """An independent table with the same ids (the caller shares the blocks)."""
         twin = BlockTable(self.block_size, self.num_sink_tokens)
-        twin.num_tokens = self.num_tokens
-        twin.window_start = self.window_start
-        twin._sink_ids = list(self._sink_ids)
-        twin._ids = deque(self._ids)
-        twin._first_block = self._first_block
-        twin._num_breaks = self._num_breaks
+        twin._restore_state(self._export_state())
         return twin
 
     # -------------------------------------------------------------- invariants
@@ -525,8 +442,7 @@ class BlockTable:
             raise AssertionError(
                 f"window_start {self.window_start} outside [{self.num_sink_tokens}, {self.num_tokens}]"
             )
-        window = list(self._ids)
-        breaks = sum(1 for a, b in pairwise(window) if a + 1 != b)
+        breaks = count_breaks(self._ids)
         if breaks != self._num_breaks:
             raise AssertionError(f"run breaks counted {self._num_breaks}, actual {breaks}")
 

@@ -30,31 +30,24 @@ from typing import Any
 
 import numpy.typing as npt
 
+from pagedkv.admission import admit
 from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
+from pagedkv.counts import check_count
 from pagedkv.errors import (
     ConfigError,
-    InputTypeError,
-    PoolExhaustedError,
     SequenceStateError,
 )
+from pagedkv.inputs import check_scale
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
 from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import PrefixCache, check_token_ids, encode_extra_keys, pack_token_ids, token_bytes
+from pagedkv.preemption import preempt_record, release_record, resume_record
+from pagedkv.prefix_cache import PrefixCache
 from pagedkv.prefix_sharing import PrefixSharing
-from pagedkv.reservation import (
-    ParsedRequests,
-    Requests,
-    ReservationPlan,
-    commit_reservation,
-    parse_requests,
-    plan_reservation,
-    plan_steps,
-    reserve_one,
-    resolve_requests,
-)
+from pagedkv.reservation import Requests, ReservationPlan, plan_requests
+from pagedkv.reservation_commit import reserve_one, reserve_requests
 from pagedkv.sequence import (
     ManagerState,
     SequenceHolder,
@@ -64,10 +57,9 @@ from pagedkv.sequence import (
     check_settled,
 )
 from pagedkv.step import attend_layer, write_layer
-from pagedkv.swap import check_host_pool, swap_in, swap_out
+from pagedkv.swap import check_host_pool
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
-
 
 
 class KVCacheManager:
@@ -159,16 +151,7 @@ class KVCacheManager:
         self._seqs = SequenceRegistry()
         self._max_abs_key = [0.0] * pool.num_layers
         self._counters = dict.fromkeys(COUNTERS, 0)
-        self._sharing: PrefixSharing | None = None
-        if enable_prefix_caching:
-            self._sharing = PrefixSharing(
-                pool.allocator,
-                block_size=pool.block_size,
-                num_sink_tokens=self.num_sink_tokens,
-                window=self.max_size,
-                num_layers=pool.num_layers,
-                hash_algorithm=hash_algorithm,
-            )
+        self._sharing = PrefixSharing.for_manager(pool, config) if config.enable_prefix_caching else None
         # The pools hold these weakly; the manager keeps them alive.
         self._holders = [
             SequenceHolder(self._seqs, SequenceState.RUNNING),
@@ -211,6 +194,33 @@ class KVCacheManager:
         """Tokens reserved for ``seq_id`` so far, evicted ones included."""
         return self._get(seq_id).table.num_tokens
 
+    def window_start(self, seq_id: Hashable, num_new_tokens: int = 0) -> int:
+        """The first logical index after the sinks that ``seq_id`` holds once ``num_new_tokens`` are reserved.
+
+        Reserving frees what lies wholly before the window of the first new
+        token (the largest layer window), so the start is the same for any
+        ``num_new_tokens >= 1``; ``0`` asks for the start now. Without a window
+        it is ``num_sink_tokens`` for ever.
+
+        >>> import numpy as np
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), max_size=3)
+        >>> manager.add_sequence("a")
+        0
+        >>> _ = manager.reserve({"a": 5})
+        >>> manager.window_start("a"), manager.window_start("a", 1)
+        (0, 3)
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            InputTypeError, ConfigError: ``num_new_tokens`` is not an int >= 0.
+        """
+        table = self._get(seq_id).table
+        num_new_tokens = check_count("num_new_tokens", num_new_tokens, minimum=0)
+        if not num_new_tokens or self.max_size is None:
+            return table.window_start
+        return max(table.window_start, min(table.num_tokens + 1 - self.max_size, table.num_tokens))
+
     def plan(self, requests: Requests) -> ReservationPlan:
         """What ``reserve(requests)`` would take and free, without doing it.
 
@@ -218,11 +228,7 @@ class KVCacheManager:
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        parsed = parse_requests(requests)
-        records = self._request_records(parsed)
-        return plan_reservation(
-            [record.table for record in records], parsed.counts, self.pool.allocator, self.max_size
-        )
+        return plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
 
     def can_reserve(self, requests: Requests) -> bool:
         """Whether ``reserve(requests)`` would succeed now."""
@@ -263,29 +269,11 @@ class KVCacheManager:
             DuplicateSequenceError: ``seq_id`` is already known.
             InputTypeError, ConfigError: a bad id, token id or extra key.
         """
-        self._check_new_id(seq_id)
-        if not isinstance(cache_blocks, bool):
-            raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
-        extras = encode_extra_keys(extra_keys)
-        what = "prompt must be a sequence of token ids"
-        token_ids, tokens = None, b""
-        if prompt is not None and self._sharing is None:
-            check_token_ids(prompt, what)  # validated all the same; without a prefix cache it is not kept
-        elif prompt is not None:
-            token_ids, tokens = pack_token_ids(prompt, what)
-        record = SequenceRecord(
-            seq_id, BlockTable(self.pool.block_size, self.num_sink_tokens), self.pool.num_layers
+        return admit(
+            self._seqs, self._sharing, self._counters, seq_id, prompt, extra_keys, cache_blocks,
+            block_size=self.pool.block_size, num_sink_tokens=self.num_sink_tokens,
+            num_layers=self.pool.num_layers,
         )
-        record.extras = extras
-        self._seqs[seq_id] = record
-        num_hit = 0
-        if self._sharing is not None and token_ids is not None:
-            self._counters["prefix_queries"] += len(token_ids)
-            num_hit = self._sharing.share_cached_prefix(record, token_ids, tokens)
-            self._counters["prefix_hits"] += num_hit
-        if not cache_blocks:
-            record.stop_keying()
-        return num_hit
 
     @locked
     def reset_prefix_cache(self) -> None:
@@ -297,11 +285,7 @@ class KVCacheManager:
         """
         if self._sharing is None:
             raise ConfigError("prefix caching is off for this manager")
-        if self.pool.num_used_blocks:
-            raise SequenceStateError(
-                f"{self.pool.num_used_blocks} blocks are in use; free every sequence before a reset"
-            )
-        self._sharing.cache.reset()
+        self._sharing.reset(self.pool.num_used_blocks)
 
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
@@ -340,28 +324,9 @@ class KVCacheManager:
                     )
                     if batch is not None:
                         return batch
-            return self._reserve(requests)
-
-    def _reserve(self, requests: Requests) -> Batch:
-        pool = self.pool
-        parsed = parse_requests(requests)
-        records = self._request_records(parsed)
-        tables = [record.table for record in records]
-        allocator = pool.allocator
-        num_new, num_cow, num_released, steps = plan_steps(tables, parsed.counts, allocator, self.max_size)
-        num_available = allocator.num_free_blocks + num_released
-        if num_new > num_available:
-            raise PoolExhaustedError(
-                num_new,
-                num_available,
-                pool.num_blocks,
-                "free or preempt a sequence, reserve fewer tokens, or give the pool more blocks",
+            return reserve_requests(
+                self._seqs, requests, self.pool, self.max_size, self._sharing is not None, self._counters
             )
-        # ---- validated: nothing below can fail ----
-        batch = commit_reservation(records, parsed, steps, pool, self.max_size is not None)
-        if num_cow:
-            self._counters["copy_on_write"] += num_cow
-        return batch
 
     def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
         """Store one layer's k/v for every token of ``batch``.
@@ -383,7 +348,9 @@ class KVCacheManager:
                 layer, batch, keys, values,
             )
 
-    def attend(self, layer: int, batch: Batch, queries: Any, *, method: str = "loop") -> npt.NDArray[Any]:
+    def attend(
+        self, layer: int, batch: Batch, queries: Any, *, method: str = "loop", scale: float | None = None
+    ) -> npt.NDArray[Any]:
         """Attention of every new token of ``batch`` over its own sequence, in one call.
 
         Token at logical index ``p`` of a sequence attends to indices
@@ -398,6 +365,8 @@ class KVCacheManager:
                 measured faster, see ``benchmarks/bench_manager.py``) or
                 ``"padded"`` (one vectorized call for a batch of single-token
                 decodes, padded to the longest; equal within tolerance).
+            scale: multiplies every score in this call instead of the
+                manager's ``scale`` (transformers passes one with each call).
 
         Returns:
             A new ``(batch.num_tokens, num_q_heads, head_dim)`` array.
@@ -406,8 +375,9 @@ class KVCacheManager:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError, ConfigError: bad arguments; nothing changes.
         """
+        scale = self.scale if scale is None else check_scale(scale)
         return attend_layer(
-            self.pool, self._seqs, self._max_abs_key, self.scale, self.num_q_heads, self.layer_max_sizes,
+            self.pool, self._seqs, self._max_abs_key, scale, self.num_q_heads, self.layer_max_sizes,
             layer, batch, queries, method,
         )
 
@@ -424,7 +394,7 @@ class KVCacheManager:
             SequenceStateError: ``parent`` is not running or has unwritten layers.
         """
         seq = self._get(parent)
-        self._check_new_id(child)
+        self._seqs.check_new(child)
         check_settled(seq, "fork")
         twin = seq.fork(child)
         self.pool.allocator.share(seq.table.block_ids)
@@ -452,6 +422,33 @@ class KVCacheManager:
             self.pool.allocator.free(released)
 
     @locked
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens of ``seq_id`` (speculative decoding's rollback).
+
+        Every layer forgets the later tokens; blocks that then hold nothing go
+        back to the pool, and with prefix caching a block that is no longer
+        full loses its key (its free slots are about to be overwritten), as
+        does a dropped block no other sequence holds. All or nothing.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            InputTypeError, ConfigError: ``num_tokens`` is not an int in
+                ``0 .. num_tokens(seq_id)``.
+            SequenceStateError: the sequence is not running, some layer has
+                not written tokens it would keep, or the next token would
+                attend to tokens the window already evicted.
+        """
+        seq = self._get(seq_id)
+        num_tokens = seq.check_truncate(num_tokens, self.max_size)
+        if num_tokens == seq.table.num_tokens:
+            return
+        # ---- validated: nothing below can fail ----
+        released = seq.truncate(num_tokens)
+        if self._sharing is not None:
+            self._sharing.retract_truncated(seq, released)
+        self.pool.allocator.free(released)
+
+    @locked
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
 
@@ -459,7 +456,7 @@ class KVCacheManager:
             UnknownSequenceError: ``seq_id`` is not known (or already freed).
         """
         seq = self._get(seq_id)
-        self._release(seq)
+        release_record(seq, self.pool, self.host_pool)
         del self._seqs[seq_id]
 
     @locked
@@ -478,24 +475,7 @@ class KVCacheManager:
             ConfigError: swap without a host pool, or an unknown mode.
             PoolExhaustedError: (swap) the host pool is full; nothing changes.
         """
-        seq = self._get(seq_id)
-        if mode not in ("recompute", "swap"):
-            raise ConfigError(f"mode must be 'recompute' or 'swap', got {mode!r}")
-        if seq.state is not SequenceState.RUNNING:
-            raise SequenceStateError(f"sequence {seq_id!r} is {seq.state.value}, not running")
-        if mode == "recompute":
-            self._release(seq)
-            seq.state = SequenceState.PREEMPTED
-            seq.num_written = [0] * self.pool.num_layers
-        else:
-            host = self._host()
-            check_settled(seq, "swap out")
-            with host.lock:
-                swap_out(seq, self.pool, host)
-            self._counters["swaps_out"] += 1
-        seq.reservation_id = 0
-        seq.batch = None
-        self._counters["preemptions"] += 1
+        preempt_record(self._get(seq_id), mode, self.pool, self.host_pool, self._counters)
 
     @locked
     def resume(self, seq_id: Hashable) -> int:
@@ -518,27 +498,7 @@ class KVCacheManager:
             SequenceStateError: it is running already.
             PoolExhaustedError: (swapped) not enough free device blocks; nothing changes.
         """
-        seq = self._get(seq_id)
-        if seq.state is SequenceState.RUNNING:
-            raise SequenceStateError(f"sequence {seq_id!r} is running; only preempted ones resume")
-        if seq.state is SequenceState.SWAPPED:
-            with self._host().lock:
-                swap_in(seq, self.pool, self._host())
-            self._counters["swaps_in"] += 1
-            if self._sharing is not None:
-                self._sharing.rekey_restored(seq)
-            return seq.table.num_tokens
-        seq.state = SequenceState.RUNNING
-        if self._sharing is None or not seq.token_ids:
-            seq.token_ids = None if seq.token_ids is None else []
-            seq.block_keys = []
-            return 0
-        history = seq.token_ids
-        seq.token_ids = []
-        # Its block and prompt keys are keys of the history's blocks: the lookup reuses them.
-        num_reused = self._sharing.share_cached_prefix(seq, history, token_bytes(history))
-        self._counters["resumed_reuse"] += num_reused
-        return num_reused
+        return resume_record(self._get(seq_id), self.pool, self.host_pool, self._sharing, self._counters)
 
     # -------------------------------------------------------------- reporting
 
@@ -564,10 +524,7 @@ class KVCacheManager:
             self.host_pool.check_invariants()
         if self._sharing is not None:
             self._sharing.cache.check_invariants()
-        for seq in self._seqs.values():
-            seq.check_invariants(keyed=self._sharing is not None)
-            if seq.state is SequenceState.SWAPPED and self.host_pool is None:
-                raise AssertionError("a swapped sequence without a host pool")
+        self._seqs.check_invariants(keyed=self._sharing is not None, has_host_pool=self.host_pool is not None)
 
     # ------------------------------------------------------- internal hooks
 
@@ -606,23 +563,4 @@ class KVCacheManager:
     def _get(self, seq_id: Hashable) -> SequenceRecord:
         return self._seqs.record(seq_id)
 
-    def _check_new_id(self, seq_id: Hashable) -> None:
-        self._seqs.check_new(seq_id)
 
-    def _host(self) -> KVPool:
-        if self.host_pool is None:
-            raise ConfigError("swap needs a host pool: KVCacheManager(..., host_pool=KVPool(...))")
-        return self.host_pool
-
-    def _request_records(self, requests: ParsedRequests) -> list[SequenceRecord]:
-        return resolve_requests(
-            self._seqs, requests, keyed=self._sharing is not None, num_layers=self.pool.num_layers
-        )
-
-    def _release(self, seq: SequenceRecord) -> None:
-        released = seq.table.clear()
-        if seq.state is SequenceState.RUNNING:
-            self.pool.allocator.free(released)
-        elif seq.state is SequenceState.SWAPPED:
-            with self._host().lock:
-                self._host().allocator.free(released)

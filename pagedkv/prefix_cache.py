@@ -315,6 +315,16 @@ class PrefixCache:
         self._key_of[block_id] = key
         return True
 
+    def forget(self, block_id: int) -> None:
+        """Drop ``block_id``'s key, if it has one: its contents are about to change.
+
+        A used block stays used; a cached free block becomes a plain free one.
+        """
+        key = self._key_of.pop(block_id, None)
+        if key is not None:
+            del self._block_of[key]
+            self._allocator.unmark_cached(block_id)
+
     def reset(self) -> None:
         """Drop every key (the caller checks that no block is in use)."""
         for block_id in list(self._key_of):

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
+from pagedkv.errors import SequenceStateError
+from pagedkv.manager_config import ManagerConfig
+from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import ROOT_KEY, PrefixCache, block_keys, hash_function, token_bytes
 from pagedkv.sequence import SequenceRecord
 
@@ -55,6 +58,30 @@ class PrefixSharing:
         self._num_layers = num_layers
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator)
+
+    @classmethod
+    def for_manager(cls, pool: KVPool, config: ManagerConfig) -> PrefixSharing:
+        """The prefix sharing of a manager on ``pool`` configured with ``config``."""
+        return cls(
+            pool.allocator,
+            block_size=pool.block_size,
+            num_sink_tokens=config.num_sink_tokens,
+            window=config.window,
+            num_layers=pool.num_layers,
+            hash_algorithm=config.hash_algorithm,
+        )
+
+    def reset(self, num_used_blocks: int) -> None:
+        """Drop every key (``KVCacheManager.reset_prefix_cache``); refused while blocks are in use.
+
+        Raises:
+            SequenceStateError: ``num_used_blocks`` blocks are in use.
+        """
+        if num_used_blocks:
+            raise SequenceStateError(
+                f"{num_used_blocks} blocks are in use; free every sequence before a reset"
+            )
+        self.cache.reset()
 
     def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
         """Share the longest cached run of ``token_ids``' full blocks into ``record``; return its tokens.
@@ -139,6 +166,21 @@ class PrefixSharing:
             if table.holds_block(logical_block):
                 self.cache.register(table.block_id(logical_block), key)
         record.block_keys.extend(new_keys)
+
+    def retract_truncated(self, record: SequenceRecord, released: list[int]) -> None:
+        """After ``record.truncate``, drop the keys its rollback made untrue or unowned.
+
+        The block now holding the newest token is no longer full: its key goes
+        unless another sequence still holds it (then the next append copies it
+        first). A released block loses its key when no one else holds it. Call
+        before freeing ``released``.
+        """
+        allocator, cache = self._allocator, self.cache
+        table = record.table
+        tail = [table.last_block_id] if table.num_blocks and table.num_tokens % self._block_size else []
+        for block_id in [*released, *tail]:
+            if allocator.ref_count(block_id) == 1:
+                cache.forget(block_id)
 
     def rekey_restored(self, record: SequenceRecord) -> None:
         """After a swap-in, key the restored full blocks whose keys are free again."""

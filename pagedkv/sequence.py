@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.block_table import BlockTable, TableState
-from pagedkv.errors import DuplicateSequenceError, InputTypeError, SequenceStateError, UnknownSequenceError
+from pagedkv.counts import check_count
+from pagedkv.errors import (
+    ConfigError,
+    DuplicateSequenceError,
+    InputTypeError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
 
 __all__ = [
     "ManagerState",
@@ -201,10 +208,56 @@ class SequenceRecord:
         keep = min(self.num_written)
         if keep == self.table.num_tokens:
             return []
-        released = self.table.truncate(keep)
-        self.num_written = [keep] * len(self.num_written)
+        return self.truncate(keep)
+
+    def check_truncate(self, num_tokens: object, window: int | None) -> int:
+        """Validate ``num_tokens`` for ``truncate`` under ``window`` (the one that frees blocks); return it.
+
+        Raises:
+            InputTypeError, ConfigError: not an int in ``0 .. table.num_tokens``.
+            SequenceStateError: not running; some layer has not written
+                tokens it would keep; the token after the kept ones would
+                attend to tokens the window already evicted.
+        """
+        seq_id, table = self.seq_id, self.table
+        if self.state is not SequenceState.RUNNING:
+            raise SequenceStateError(f"sequence {seq_id!r} is {self.state.value}, not running")
+        num = check_count("num_tokens", num_tokens, minimum=0)
+        if num > table.num_tokens:
+            raise ConfigError(f"sequence {seq_id!r} holds {table.num_tokens} tokens; cannot keep {num}")
+        if num == table.num_tokens:
+            return num
+        if num > min(self.num_written):
+            raise SequenceStateError(
+                f"sequence {seq_id!r}: layers {self.pending_layers()} have not written every token "
+                f"below {num}; write them or cancel_reservation first"
+            )
+        # The next token (index ``num``) attends from here on; every such token must still be held.
+        needed = table.num_sink_tokens if window is None else max(table.num_sink_tokens, num + 1 - window)
+        if needed < table.window_start:
+            raise SequenceStateError(
+                f"sequence {seq_id!r}: tokens {needed}..{table.window_start - 1} already left the "
+                f"window, and the token after the first {num} would attend to them; cannot truncate"
+            )
+        return num
+
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Keep the first ``num_tokens`` tokens in every layer; return the blocks that then hold nothing.
+
+        ``num_tokens`` passed ``check_truncate``. Any outstanding reservation
+        becomes stale. Keys of blocks no longer full are forgotten here (the
+        caller retracts them from the prefix cache); prompt keys stay valid,
+        as the next reservation's ids are compared with the prompt's. The
+        caller frees the returned ids.
+        """
+        released = self.table.truncate(num_tokens)
+        self.num_written = [min(num, num_tokens) for num in self.num_written]
         if self.token_ids is not None:
-            del self.token_ids[keep:]
+            del self.token_ids[num_tokens:]
+        num_full = num_tokens // self.table.block_size
+        if num_full < len(self.block_keys):
+            del self.block_keys[num_full:]
+            self.drop_prompt_keys()  # they named the blocks after the dropped keys
         self.reservation_id = 0
         self.batch = None
         return released
@@ -309,6 +362,13 @@ class SequenceRegistry(dict[Hashable, SequenceRecord]):
             raise UnknownSequenceError(f"no sequence {seq_id!r}; known: {_preview(list(self))}") from None
         except TypeError as error:
             raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
+
+    def check_invariants(self, *, keyed: bool, has_host_pool: bool) -> None:
+        """Raise ``AssertionError`` if a record's invariant is broken, or one is swapped with no host pool."""
+        for record in self.values():
+            record.check_invariants(keyed=keyed)
+            if record.state is SequenceState.SWAPPED and not has_host_pool:
+                raise AssertionError(f"sequence {record.seq_id!r} is swapped without a host pool")
 
     def check_new(self, seq_id: Hashable) -> None:
         """Refuse ``seq_id`` for a new sequence unless it is hashable and unused.

@@ -42,6 +42,7 @@ from pagedkv.errors import (
 )
 from pagedkv.inputs import as_tokens, check_tokens
 from pagedkv.prefix_cache import ROOT_KEY, block_keys, check_token_ids, pack_token_ids, token_bytes
+from pagedkv.reservation_commit import reserve_requests
 
 # ------------------------------------------------------------- hashing once
 
@@ -231,7 +232,10 @@ class Twin:
 def _general_reserve(manager: KVCacheManager) -> Any:
     def reserve(requests: Any) -> Any:
         with manager.pool.lock:
-            return manager._reserve(requests)
+            return reserve_requests(
+                manager._seqs, requests, manager.pool, manager.max_size, manager.prefix_caching,
+                manager._counters,
+            )
 
     return reserve
 
@@ -354,7 +358,7 @@ def test_a_slot_run_holds_the_tables_slots() -> None:
     table.append(9, [2, 5])
     # block_size 4:  block 7: . . . x | block 2: x x x x | block 5: x x x x
     expected = [31, 8, 9, 10, 11, 20, 21, 22, 23]
-    assert SlotRun([7, 2, 5], 3, 9, 4).slots().tolist() == table.slots(3, 12) == expected
+    assert SlotRun([7, 2, 5], 3, 9, 4).slots().tolist() == table.slot_array([(3, 12)]).tolist() == expected
 
 
 def test_a_decode_batch_builds_its_arrays_only_when_read() -> None:
