@@ -7,6 +7,7 @@ they change any state, which is how a failed call leaves nothing half-done.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,9 @@ __all__ = [
     "check_scale",
     "check_score_bound",
     "check_tokens",
+    "is_torch_tensor",
+    "like_input",
+    "torch_array",
     "value_limit",
 ]
 
@@ -50,7 +54,8 @@ def as_vectors(
 
     Args:
         name: the argument's name, quoted in error messages.
-        value: a (nested) list or tuple of real numbers, or a numpy array.
+        value: a (nested) list or tuple of real numbers, a numpy array, or
+            a CPU torch tensor (read in place; bfloat16 is widened to float32).
         dtype: the float dtype to convert to.
         ndims: the numbers of dimensions allowed.
 
@@ -75,6 +80,8 @@ def as_vectors(
         )
     if isinstance(value, np.ndarray):
         array = value if type(value) is np.ndarray else np.asarray(value)
+    elif is_torch_tensor(value):
+        array = torch_array(name, value)
     elif came_as_list:
         try:
             array = np.asarray(value)
@@ -114,6 +121,41 @@ def as_vectors(
             f"(the {dtype} maximum / 16) that keeps every sum finite; scale it down"
         )
     return converted, came_as_list
+
+
+def is_torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (False whenever torch was never imported: no import here)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def torch_array(name: str, tensor: Any) -> npt.NDArray[Any]:
+    """A CPU torch tensor's numpy array: the same memory (no copy), except bfloat16, copied to float32.
+
+    numpy has no bfloat16, so such a tensor is widened (exactly: every
+    bfloat16 is a float32). The caller checks values and shape as for any array.
+
+    Raises:
+        InputTypeError: the tensor is not on the CPU, or is complex.
+    """
+    if tensor.device.type != "cpu":
+        raise InputTypeError(
+            f"{name} is a torch tensor on {tensor.device}; pagedkv computes on the CPU: pass {name}.cpu()"
+        )
+    if tensor.is_complex():
+        raise InputTypeError(f"{name} must hold real numbers, got a complex tensor ({tensor.dtype})")
+    plain = tensor.detach().resolve_conj().resolve_neg()
+    if str(plain.dtype) == "torch.bfloat16":
+        plain = plain.float()
+    array: npt.NDArray[Any] = plain.numpy()
+    return array
+
+
+def like_input(given: object, result: npt.NDArray[Any]) -> Any:
+    """``result`` as a torch tensor (sharing its memory) when ``given`` was one, else as it is."""
+    if not is_torch_tensor(given):
+        return result
+    return sys.modules["torch"].from_numpy(result)
 
 
 def as_tokens(
@@ -162,6 +204,8 @@ def check_tokens(
     >>> check_tokens("k", np.array([[[1.0, -3.0]]]), np.dtype(np.float64), (1, 1, 2))[1]
     3.0
     """
+    if value.__class__ is not np.ndarray and is_torch_tensor(value):
+        value = torch_array(name, value)  # the same memory: the fast path below applies
     if value.__class__ is np.ndarray and value.dtype is dtype and value.shape == expected:
         if not scan:
             return value, 0.0

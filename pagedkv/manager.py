@@ -38,7 +38,7 @@ from pagedkv.errors import (
     ConfigError,
     SequenceStateError,
 )
-from pagedkv.inputs import check_scale
+from pagedkv.inputs import check_scale, like_input
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
 from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
@@ -360,7 +360,8 @@ class KVCacheManager:
         Args:
             layer: the layer index; ``write`` must have stored this batch in it.
             batch: from ``reserve``.
-            queries: ``(batch.num_tokens, num_q_heads, head_dim)``.
+            queries: ``(batch.num_tokens, num_q_heads, head_dim)``; a CPU torch
+                tensor gives a torch tensor back.
             method: ``"loop"`` (one kernel call per sequence; the default,
                 measured faster, see ``benchmarks/bench_manager.py``) or
                 ``"padded"`` (one vectorized call for a batch of single-token
@@ -369,17 +370,19 @@ class KVCacheManager:
                 manager's ``scale`` (transformers passes one with each call).
 
         Returns:
-            A new ``(batch.num_tokens, num_q_heads, head_dim)`` array.
+            A new ``(batch.num_tokens, num_q_heads, head_dim)`` array (a torch
+            tensor sharing its memory when ``queries`` is one).
 
         Raises:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError, ConfigError: bad arguments; nothing changes.
         """
         scale = self.scale if scale is None else check_scale(scale)
-        return attend_layer(
+        out = attend_layer(
             self.pool, self._seqs, self._max_abs_key, scale, self.num_q_heads, self.layer_max_sizes,
             layer, batch, queries, method,
         )
+        return like_input(queries, out)  # type: ignore[no-any-return]
 
     @locked
     def fork(self, parent: Hashable, child: Hashable) -> None:
