@@ -38,6 +38,7 @@ from pagedkv.errors import (
     ConfigError,
     SequenceStateError,
 )
+from pagedkv.events import KVEvent, KVEventBuffer
 from pagedkv.inputs import check_scale, like_input
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
@@ -104,6 +105,9 @@ class KVCacheManager:
             (keys are still scanned: attention's overflow bound needs their
             largest magnitude). Every check of the batch, the sequences'
             states, the shapes and dtypes stays.
+        kv_events: with prefix caching, record the prefix cache's changes
+            for a cluster router (see :mod:`pagedkv.events`): True keeps up
+            to 10,000 undrained events, an int sets that bound.
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -122,6 +126,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         hash_algorithm: str = "sha256",
         trusted_inputs: bool = False,
+        kv_events: bool | int = False,
     ) -> None:
         config = configure(
             pool,
@@ -133,6 +138,7 @@ class KVCacheManager:
             enable_prefix_caching=enable_prefix_caching,
             hash_algorithm=hash_algorithm,
             trusted_inputs=trusted_inputs,
+            kv_events=kv_events,
         )
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
         self.pool = pool
@@ -181,6 +187,23 @@ class KVCacheManager:
     def prefix_cache(self) -> PrefixCache | None:
         """The key -> block map of prefix caching (read it; do not change it), or None when off."""
         return self._sharing.cache if self._sharing is not None else None
+
+    @property
+    def kv_events(self) -> KVEventBuffer | None:
+        """The KV event buffer (read its counts; take events with ``drain_kv_events``), or None when off."""
+        return self._sharing.cache.events if self._sharing is not None else None
+
+    @locked
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last drain, oldest first (see :mod:`pagedkv.events`).
+
+        Raises:
+            ConfigError: events are off (``kv_events=False``).
+        """
+        events = self.kv_events
+        if events is None:
+            raise ConfigError("KV events are off: pass enable_prefix_caching=True, kv_events=True")
+        return events.drain()
 
     def state(self, seq_id: Hashable) -> SequenceState:
         """Where ``seq_id``'s blocks are."""

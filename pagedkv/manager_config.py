@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pagedkv.counts import check_count, check_max_size
 from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.events import DEFAULT_MAX_EVENTS
 from pagedkv.inputs import check_scale
 from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import check_hash_algorithm
@@ -39,6 +40,7 @@ class ManagerConfig:
         hash_algorithm: the block hash's name.
         trusted_inputs: the engine vouches for the k/v values it writes, so
             ``write`` skips scanning values for NaN, infinity and magnitude.
+        kv_events: the bound of the KV event buffer; 0 when events are off.
     """
 
     layer_max_sizes: tuple[int | None, ...]
@@ -49,6 +51,7 @@ class ManagerConfig:
     enable_prefix_caching: bool
     hash_algorithm: str
     trusted_inputs: bool = False
+    kv_events: int = 0
 
 
 def configure(
@@ -62,6 +65,7 @@ def configure(
     enable_prefix_caching: bool,
     hash_algorithm: str,
     trusted_inputs: bool = False,
+    kv_events: bool | int = False,
 ) -> ManagerConfig:
     """Validate a manager's arguments against ``pool``; return the configuration.
 
@@ -98,6 +102,14 @@ def configure(
     check_hash_algorithm(hash_algorithm)  # even with prefix caching off: snapshots save it
     if not isinstance(trusted_inputs, bool):
         raise InputTypeError(f"trusted_inputs must be True or False, got {trusted_inputs!r}")
+    if kv_events is True:
+        max_events = DEFAULT_MAX_EVENTS
+    elif kv_events is False:
+        max_events = 0
+    else:
+        max_events = check_count("kv_events", kv_events)
+    if max_events and not enable_prefix_caching:
+        raise ConfigError("kv_events report prefix-cache keys: they need enable_prefix_caching=True")
     return ManagerConfig(
         layer_max_sizes=tuple(windows),
         window=None if any(w is None for w in windows) else max(w for w in windows if w is not None),
@@ -107,4 +119,5 @@ def configure(
         enable_prefix_caching=enable_prefix_caching,
         hash_algorithm=hash_algorithm,
         trusted_inputs=trusted_inputs,
+        kv_events=max_events,
     )

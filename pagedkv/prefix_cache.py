@@ -33,6 +33,7 @@ import numpy as np
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.events import KVEventBuffer
 
 __all__ = [
     "HASH_KEY_SIZES",
@@ -41,6 +42,7 @@ __all__ = [
     "block_keys",
     "check_hash_algorithm",
     "check_token_ids",
+    "decode_extra_keys",
     "encode_extra_keys",
     "hash_function",
     "pack_token_ids",
@@ -127,6 +129,33 @@ def encode_extra_keys(extra_keys: Mapping[str, str | bytes | int] | None) -> byt
             data = b"i" + str(value).encode("ascii")
         parts.append(_field(b"X", _field(b"K", kind.encode("ascii")) + _field(b"V", data)))
     return b"".join(parts)
+
+
+def decode_extra_keys(encoded: bytes) -> dict[str, str | bytes | int]:
+    """The extra keys that ``encode_extra_keys`` encoded (its inverse).
+
+    >>> decode_extra_keys(encode_extra_keys({"adapter": 7, "salt": "t"}))
+    {'adapter': 7, 'salt': 't'}
+    """
+    decoded: dict[str, str | bytes | int] = {}
+    at = 0
+
+    def field(tag: bytes) -> bytes:
+        nonlocal at
+        if encoded[at : at + 1] != tag:
+            raise ValueError(f"extra keys: expected field {tag!r} at byte {at}")
+        (size,) = struct.unpack_from("<Q", encoded, at + 1)
+        at += 9 + size
+        return encoded[at - size : at]
+
+    while at < len(encoded):
+        outer = field(b"X")
+        at -= len(outer)  # read the outer field's body in place: a kind field, then a value field
+        kind = field(b"K").decode("ascii")
+        data = field(b"V")
+        tag, body = data[:1], data[1:]
+        decoded[kind] = body.decode("utf-8") if tag == b"s" else body if tag == b"b" else int(body)
+    return decoded
 
 
 def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
@@ -276,6 +305,8 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}
         #: Cached blocks evicted to be reused since creation.
         self.num_evictions = 0
+        #: Where key changes are reported (``kv_events``), or None.
+        self.events: KVEventBuffer | None = None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -324,6 +355,8 @@ class PrefixCache:
         if key is not None:
             del self._block_of[key]
             self._allocator.unmark_cached(block_id)
+            if self.events is not None:
+                self.events.removed(key)
 
     def reset(self) -> None:
         """Drop every key (the caller checks that no block is in use)."""
@@ -331,6 +364,8 @@ class PrefixCache:
             self._allocator.unmark_cached(block_id)
         self._block_of.clear()
         self._key_of.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def close(self) -> None:
         """Drop every key and stop listening to the allocator, so another prefix cache may run on it.
@@ -384,3 +419,5 @@ class PrefixCache:
         key = self._key_of.pop(block_id)
         del self._block_of[key]
         self.num_evictions += 1
+        if self.events is not None:
+            self.events.removed(key)

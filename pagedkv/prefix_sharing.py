@@ -16,9 +16,17 @@ from __future__ import annotations
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.errors import SequenceStateError
+from pagedkv.events import KVEventBuffer
 from pagedkv.manager_config import ManagerConfig
 from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import ROOT_KEY, PrefixCache, block_keys, hash_function, token_bytes
+from pagedkv.prefix_cache import (
+    ROOT_KEY,
+    PrefixCache,
+    block_keys,
+    decode_extra_keys,
+    hash_function,
+    token_bytes,
+)
 from pagedkv.sequence import SequenceRecord
 
 __all__ = ["PrefixSharing"]
@@ -34,6 +42,7 @@ class PrefixSharing:
         window: the window that frees blocks, or None.
         num_layers: layers of the pool (a hit counts as written in every one).
         hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix_cache.hash_function`).
+        events: where key changes are reported (``kv_events``), or None.
 
     Raises:
         ConfigError: an unknown hash, or the allocator already runs a prefix cache.
@@ -49,6 +58,7 @@ class PrefixSharing:
         window: int | None,
         num_layers: int,
         hash_algorithm: str,
+        events: KVEventBuffer | None = None,
     ) -> None:
         self._hasher = hash_function(hash_algorithm)
         self._allocator = allocator
@@ -58,6 +68,7 @@ class PrefixSharing:
         self._num_layers = num_layers
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator)
+        self.cache.events = events
 
     @classmethod
     def for_manager(cls, pool: KVPool, config: ManagerConfig) -> PrefixSharing:
@@ -69,6 +80,9 @@ class PrefixSharing:
             window=config.window,
             num_layers=pool.num_layers,
             hash_algorithm=config.hash_algorithm,
+            events=(
+                KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
+            ),
         )
 
     def reset(self, num_used_blocks: int) -> None:
@@ -161,11 +175,8 @@ class PrefixSharing:
             parent = new_keys[-1] if new_keys else record.block_keys[-1] if record.block_keys else ROOT_KEY
             tokens = token_bytes(record.token_ids[num_ready * bs : num_full * bs])
             new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher)
-        table = record.table
-        for logical_block, key in enumerate(new_keys, start=first):
-            if table.holds_block(logical_block):
-                self.cache.register(table.block_id(logical_block), key)
         record.block_keys.extend(new_keys)
+        self._register(record, range(first, num_full))
 
     def retract_truncated(self, record: SequenceRecord, released: list[int]) -> None:
         """After ``record.truncate``, drop the keys its rollback made untrue or unowned.
@@ -184,7 +195,41 @@ class PrefixSharing:
 
     def rekey_restored(self, record: SequenceRecord) -> None:
         """After a swap-in, key the restored full blocks whose keys are free again."""
-        table = record.table
-        for logical_block, key in enumerate(record.block_keys):
-            if table.holds_block(logical_block) and self.cache.block_for(key) is None:
-                self.cache.register(table.block_id(logical_block), key)
+        self._register(record, range(len(record.block_keys)))
+
+    def _register(self, record: SequenceRecord, logical_blocks: range) -> None:
+        """Key ``record``'s held blocks among ``logical_blocks`` whose keys are free; report the runs.
+
+        With events on, each run of consecutive newly keyed blocks is one
+        ``BlockStored``, whose parent is the key of the block before it.
+        """
+        table, cache, keys = record.table, self.cache, record.block_keys
+        run: list[int] = []
+        for logical_block in logical_blocks:
+            key = keys[logical_block]
+            if table.holds_block(logical_block) and cache.register(table.block_id(logical_block), key):
+                run.append(logical_block)
+                continue
+            self._report(record, run)
+            run = []
+        self._report(record, run)
+
+    def _report(self, record: SequenceRecord, run: list[int]) -> None:
+        events = self.cache.events
+        if events is None or not run:
+            return
+        bs = self._block_size
+        first, end = run[0], run[-1] + 1
+        token_ids = [] if record.token_ids is None else record.token_ids[first * bs : end * bs]
+        events.stored(
+            record.block_keys[first:end],
+            record.block_keys[first - 1] if first else None,
+            token_ids,
+            block_size=bs,
+            adapter=self._adapter(record),
+        )
+
+    @staticmethod
+    def _adapter(record: SequenceRecord) -> str | int | None:
+        adapter = decode_extra_keys(record.extras).get("adapter") if record.extras else None
+        return adapter if isinstance(adapter, (str, int)) else None

@@ -72,6 +72,7 @@ from pagedkv.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
+from pagedkv.events import BlockStored, PrefixIndex
 from pagedkv.prefix_cache import ROOT_KEY, block_keys, token_bytes
 from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.testing.oracle import attend as oracle_attend
@@ -129,8 +130,11 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         self.alphabet = list(range(alphabet_size))
         self.max_prompt = 3 * block_size + 2
         self.manager = make(
-            num_blocks, block_size, num_layers, host=True, max_size=window, num_sink_tokens=num_sink_tokens
+            num_blocks, block_size, num_layers, host=True, max_size=window, num_sink_tokens=num_sink_tokens,
+            kv_events=True,
         )
+        #: What a cluster router knows of this replica: the KV events, replayed.
+        self.index = PrefixIndex()
 
     # ------------------------------------------------------------ helpers
 
@@ -467,6 +471,29 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         metrics = self.manager.metrics()
         assert metrics.num_cached_blocks == len(prefix._block_of)
         assert metrics.num_cached_free_blocks == len(allocator.cached_free_block_ids())
+
+    @invariant()
+    def kv_events_rebuild_the_prefix_cache(self) -> None:
+        """A router replaying the events holds exactly the manager's keys, each stored with its true
+        tokens and parent (checked against the keys this test computed itself)."""
+        events = self.manager.drain_kv_events()
+        bs = self.block_size
+        for event in events:
+            if not isinstance(event, BlockStored):
+                continue
+            assert event.block_size == bs and len(event.token_ids) == bs * len(event.block_hashes)
+            parent = event.parent_block_hash
+            for i, block_hash in enumerate(event.block_hashes):
+                kind, tokens = self.known[block_hash]
+                assert list(tokens[-bs:]) == event.token_ids[i * bs : (i + 1) * bs], "wrong token ids"
+                assert (parent is None) == (len(tokens) == bs), "parent given at the start, or missing"
+                if parent is not None:
+                    assert self.known[parent] == (kind, tokens[:-bs]), "wrong parent"
+                parent = block_hash
+        self.index.apply(events)
+        assert self.index.hashes == set(prefix_of(self.manager)._block_of), "event index != prefix cache"
+        buffer = self.manager.kv_events
+        assert buffer is not None and buffer.num_dropped == 0
 
     @invariant()
     def every_key_names_its_contents(self) -> None:
