@@ -69,7 +69,11 @@ def attend_dense(
     Args:
         query: ``(num_q_heads, head_dim)``.
         keys: ``(num_kv_heads, num_tokens, head_dim)``; each head's
-            ``(num_tokens, head_dim)`` plane must have unit stride along head_dim.
+            ``(num_tokens, head_dim)`` plane must have unit stride along
+            head_dim. The result depends on the strides as well as the
+            numbers: pagedkv passes token-major arrays transposed
+            (``(num_tokens, H, d)`` contiguous, ``.transpose(1, 0, 2)``) on
+            every path, the no-cache recompute included.
         values: same shape as ``keys``.
         scale: multiplies every score before the softmax.
 
@@ -83,7 +87,10 @@ def attend_dense(
     num_kv_heads, num_tokens, head_dim = keys.shape
     group = query.shape[0] // num_kv_heads
     grouped = query.reshape(num_kv_heads, group, head_dim)
-    large = num_kv_heads * num_tokens * head_dim * keys.dtype.itemsize >= EINSUM_MIN_BYTES
+    # NOTE: einsum only for one query head per kv head: over token-major keys
+    # (the pool's layout) einsum with several rows per head was 1.4-7x slower
+    # than BLAS, which takes the strided heads as they are (docs/paging.md).
+    large = group == 1 and num_tokens * num_kv_heads * head_dim * keys.dtype.itemsize >= EINSUM_MIN_BYTES
     if large:
         scores = np.einsum("hgd,hnd->hgn", grouped, keys)  # (num_kv_heads, group, num_tokens)
     else:

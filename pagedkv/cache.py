@@ -281,6 +281,7 @@ class KVCache:
             return
         # Tail first on a shared pool (as vLLM frees); oldest first on a private
         # pool, which keeps its free queue in id order for one-run tables.
+        self._pool.release_views(self._table)  # before its blocks can go to anyone else
         released = self._table.clear()
         if self._private:
             released.reverse()

@@ -1,13 +1,18 @@
 """Executing a read plan on float pages: a view for a run of blocks, a gather into scratch otherwise.
 
-A pool's layer is ``(num_kv_heads, num_blocks, block_size, head_dim)``,
-head-major, so the blocks of a run (``7, 8, 9``) are, for each head, one
-stretch of memory: reshaped, they are the tokens, without copying. Any other
-plan is copied into scratch with ``np.take``::
+A pool's layer is ``(num_blocks, block_size, num_kv_heads, head_dim)``,
+token-major, so a block is one stretch of memory and the blocks of a run
+(``7, 8, 9``) are one longer stretch: reshaped, they are the tokens, without
+copying. Any other plan is copied into scratch with ``np.take``, one whole
+block (or one whole token) per row::
 
-    run (7, 8, 9):     keys[:, 7:10] -> reshape (H, 3 * block_size, d) -> [offset : offset + n]
-    blocks (7, 3):     np.take(keys, [7, 3], axis=1, out=scratch)       -> [offset : offset + n]
-    slots [30, 12]:    np.take(keys.reshape(H, -1, d), [30, 12], axis=1, out=scratch)
+    run (7, 8, 9):     keys[7:10] -> reshape (3 * block_size, H, d) -> [offset : offset + n]
+    blocks (7, 3):     np.take(keys, [7, 3], axis=0, out=scratch)    -> [offset : offset + n]
+    slots [30, 12]:    np.take(keys.reshape(-1, H, d), [30, 12], axis=0, out=scratch)
+
+Results are ``(num_tokens, num_kv_heads, head_dim)`` with unit stride along
+the last two axes: the same shape and strides whichever way they were read,
+so attention rounds the same way on each (see :mod:`pagedkv.attention`).
 
 Scratch is per thread (``threading.local``): a gather's result is valid until
 the same thread's next gather of the same :class:`Scratch`, and two threads
@@ -47,59 +52,43 @@ class Scratch:
 
 
 def gather(keys: Array, values: Array, plan: ReadPlan, scratch: Scratch) -> tuple[Array, Array]:
-    """The tokens ``plan`` reads from one layer's ``keys``/``values``, as ``(H, plan.num_tokens, d)``.
+    """The tokens ``plan`` reads from one layer's ``keys``/``values``, as ``(plan.num_tokens, H, d)``.
 
     Views of the storage for a run, views of this thread's ``scratch`` otherwise.
+
+    >>> keys = np.arange(8.0).reshape(4, 2, 1, 1)  # 4 blocks of 2 tokens, H=1, d=1
+    >>> gather(keys, keys, ReadPlan(3, (3, 1), offset=1), Scratch(keys.dtype))[0].ravel().tolist()
+    [7.0, 2.0, 3.0]
     """
-    num_kv_heads, _, block_size, head_dim = keys.shape
+    _, block_size, num_kv_heads, head_dim = keys.shape
     if plan.slots is not None:
-        return _take_slots(keys, values, plan.slots, scratch)
+        return _take(keys.reshape(-1, num_kv_heads, head_dim), values.reshape(-1, num_kv_heads, head_dim),
+                     plan.slots, scratch)
     if not plan.num_tokens:
-        empty = np.empty((num_kv_heads, 0, head_dim), keys.dtype)
+        empty = np.empty((0, num_kv_heads, head_dim), keys.dtype)
         return empty, empty
     lo, hi = plan.offset, plan.offset + plan.num_tokens
     if plan.is_run:
         first, num = plan.block_ids[0], len(plan.block_ids)
-        shape = (num_kv_heads, num * block_size, head_dim)
-        key_run = keys[:, first : first + num].reshape(shape)
-        value_run = values[:, first : first + num].reshape(shape)
-        return key_run[:, lo:hi], value_run[:, lo:hi]
-    key_run, value_run = _take_blocks(keys, values, plan.block_ids, scratch)
-    return key_run[:, lo:hi], value_run[:, lo:hi]
+        shape = (num * block_size, num_kv_heads, head_dim)
+        key_run, value_run = keys[first : first + num], values[first : first + num]
+        return key_run.reshape(shape)[lo:hi], value_run.reshape(shape)[lo:hi]
+    ids = np.array(plan.block_ids, np.intp)
+    key_run, value_run = _take(keys, values, ids, scratch)
+    shape = (len(ids) * block_size, num_kv_heads, head_dim)
+    return key_run.reshape(shape)[lo:hi], value_run.reshape(shape)[lo:hi]
 
 
-def _take_slots(
-    keys: Array, values: Array, slots: npt.NDArray[np.intp], scratch: Scratch
-) -> tuple[Array, Array]:
-    num_kv_heads, num_blocks, block_size, head_dim = keys.shape
-    num = len(slots)
-    size = num_kv_heads * num * head_dim
+def _take(keys: Array, values: Array, rows: npt.NDArray[np.intp], scratch: Scratch) -> tuple[Array, Array]:
+    """Rows ``rows`` (blocks or tokens) of ``keys``/``values`` into scratch, in order."""
+    shape = (len(rows), *keys.shape[1:])
+    size = int(np.prod(shape))
     scratch_keys, scratch_values = scratch.take(size)
-    shape = (num_kv_heads, num, head_dim)
     key_out = scratch_keys[:size].reshape(shape)
     value_out = scratch_values[:size].reshape(shape)
-    flat = (num_kv_heads, num_blocks * block_size, head_dim)
     # NOTE: mode="clip" skips the bounds check that makes the default
-    # mode="raise" buffer the whole result when out= is given; slots come
+    # mode="raise" buffer the whole result when out= is given; rows come
     # from block tables the pool validated, so they are in range.
-    np.take(keys.reshape(flat), slots, axis=1, out=key_out, mode="clip")
-    np.take(values.reshape(flat), slots, axis=1, out=value_out, mode="clip")
+    np.take(keys, rows, axis=0, out=key_out, mode="clip")
+    np.take(values, rows, axis=0, out=value_out, mode="clip")
     return key_out, value_out
-
-
-def _take_blocks(
-    keys: Array, values: Array, block_ids: tuple[int, ...], scratch: Scratch
-) -> tuple[Array, Array]:
-    """Whole blocks into scratch, as ``(H, len(block_ids) * block_size, d)``."""
-    num_kv_heads, _, block_size, head_dim = keys.shape
-    num = len(block_ids)
-    size = num_kv_heads * num * block_size * head_dim
-    scratch_keys, scratch_values = scratch.take(size)
-    shape = (num_kv_heads, num, block_size, head_dim)
-    key_out = scratch_keys[:size].reshape(shape)
-    value_out = scratch_values[:size].reshape(shape)
-    ids = np.array(block_ids, np.intp)
-    np.take(keys, ids, axis=1, out=key_out, mode="clip")
-    np.take(values, ids, axis=1, out=value_out, mode="clip")
-    flat = (num_kv_heads, num * block_size, head_dim)
-    return key_out.reshape(flat), value_out.reshape(flat)

@@ -8,7 +8,10 @@ of a sequence with ``S`` sink tokens, in a layer with window ``W``, sees::
     S = 2, W = 3, p = 9:   [0 1] 2 3 4 5 6 [7 8 9]
 
 A single new token (decode) runs :func:`~pagedkv.attention.attend_dense` on
-exactly the tokens it sees, bit for bit what the no-cache recompute computes;
+exactly the tokens it sees, read by :meth:`~pagedkv.pool.KVPool.read` as a
+token-major ``(num_tokens, num_kv_heads, head_dim)`` array (a mapped view, a
+run of the storage, or a gather: the same numbers and strides each way), bit
+for bit what the no-cache recompute computes;
 several new tokens (a prefill chunk) run the masked kernel over what the
 table holds. A quantized pool runs the chunked kernels of
 :mod:`pagedkv.quantization` the same way, on the codes as stored.
@@ -74,19 +77,18 @@ def attend_sequence(
     quantized = pool.quantized
     if len(queries) == 1:
         visible = visible_ranges(table.num_sink_tokens, window, last)
-        plan = table.read_plan(held if visible == held else visible)
+        ranges = held if visible == held else visible
         if quantized:
-            key_codes, value_codes = pool.gather_quantized(layer, plan)
+            key_codes, value_codes = pool.gather_quantized(layer, table.read_plan(ranges))
             return attend_chunked(queries[0], key_codes, value_codes, scale, pool.dtype)[None]
-        keys, values = pool.gather(layer, plan)
-        return attend_dense(queries[0], keys, values, scale)[None]
+        keys, values = pool.read(layer, table, ranges)  # (num_visible, num_kv_heads, head_dim)
+        return attend_dense(queries[0], keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale)[None]
     mask = _prefill_mask(table, held, window, len(queries))
-    plan = table.read_plan(held)
     if quantized:
-        key_codes, value_codes = pool.gather_quantized(layer, plan)
+        key_codes, value_codes = pool.gather_quantized(layer, table.read_plan(held))
         return attend_chunked_masked(queries, key_codes, value_codes, mask, scale, pool.dtype)
-    keys, values = pool.gather(layer, plan)
-    return attend_dense_masked(queries, keys, values, mask, scale)
+    keys, values = pool.read(layer, table, held)  # (num_held, num_kv_heads, head_dim)
+    return attend_dense_masked(queries, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), mask, scale)
 
 
 def _prefill_mask(
@@ -142,9 +144,12 @@ def attend_decode_padded(
     padded = np.zeros((len(tables), width), np.intp)
     for row, slots in enumerate(slot_lists):
         padded[row, : len(slots)] = slots
-    keys, values = pool.gather(layer, ReadPlan(padded.size, slots=padded.ravel()))
-    shape = (pool.num_kv_heads, len(tables), width, pool.head_dim)
-    return attend_padded(queries, keys.reshape(shape), values.reshape(shape), lengths, scale)
+    keys, values = pool.gather_tokens(layer, ReadPlan(padded.size, slots=padded.ravel()))
+    shape = (len(tables), width, pool.num_kv_heads, pool.head_dim)
+    # (num_kv_heads, num_seqs, width, head_dim) views of the token-major gather
+    key_heads = keys.reshape(shape).transpose(2, 0, 1, 3)
+    value_heads = values.reshape(shape).transpose(2, 0, 1, 3)
+    return attend_padded(queries, key_heads, value_heads, lengths, scale)
 
 
 def attend_batch(

@@ -1,18 +1,24 @@
 """The shared pool: a block allocator paired with the arrays its block ids index.
 
-Storage layout (chosen from measurements, see ``docs/design.md``)::
+Storage layout (chosen from measurements, see ``docs/paging.md``)::
 
-    keys[layer]    (num_kv_heads, num_blocks, block_size, head_dim)
-    values[layer]  (num_kv_heads, num_blocks, block_size, head_dim)
+    key_pages(layer)    (num_blocks, block_size, num_kv_heads, head_dim)
+    value_pages(layer)  (num_blocks, block_size, num_kv_heads, head_dim)
 
-Head-major across the whole pool: for one head, consecutive block ids are
-consecutive memory. A block table whose ids form one run (``7, 8, 9``) is
-therefore readable as a ``(num_kv_heads, num_tokens, head_dim)`` view with each
-head's tokens contiguous, and attention runs on it without copying a byte.
-Any other table is gathered into a reusable scratch buffer first.
+Token-major: one block of one side of one layer is one stretch of memory
+(64 KiB at 16 x 8 x 128 x float32, sixteen 4 KiB pages), so it can be mapped
+(``view_mode == "views"``, :mod:`pagedkv.views`): every table then reads as
+one contiguous ``(num_tokens, num_kv_heads, head_dim)`` array, whatever its
+block ids. A table whose ids form one run (``7, 8, 9``) is such an array in
+the storage itself; any other table of a ``"gather"`` pool is copied into
+scratch first (:mod:`pagedkv.gather`). Every path gives the same array, bit
+for bit::
 
-    head 0 plane:  | blk 0 | blk 1 | blk 2 | ... each blk = block_size x head_dim
-    head 1 plane:  | blk 0 | blk 1 | blk 2 | ...
+    storage:  | blk 0: t0 (H x d) t1 ... | blk 1: ... | blk 2: ... |
+
+``keys(layer)`` / ``values(layer)`` are head-major views of the same memory,
+``(num_kv_heads, num_blocks, block_size, head_dim)``, for code written against
+the earlier layout (snapshots store that order).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
+from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count, check_layer
 from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.gather import Scratch, gather
 from pagedkv.inputs import check_dtype
+from pagedkv.pages import choose_view_mode, new_page_arrays
 from pagedkv.quantization import (
     QuantizedTokens,
     StorageFormat,
@@ -41,6 +49,8 @@ from pagedkv.quantization import (
     write_tokens,
 )
 from pagedkv.read_plan import ReadPlan
+from pagedkv.views import PageViews, ViewStats
+from pagedkv.vmem import map_budget
 
 __all__ = ["BlockHolder", "KVPool"]
 
@@ -73,12 +83,14 @@ class KVPool:
         * the allocator's invariants hold;
         * each block's ref count equals the number of block tables, across every
           cache attached to this pool, that hold it;
-        * key and value arrays have shape
-          ``(num_kv_heads, num_blocks, block_size, head_dim)`` for every layer.
+        * key and value pages have shape
+          ``(num_blocks, block_size, num_kv_heads, head_dim)`` for every layer;
+        * ``view_mode == "views"`` exactly when the pages sit in a page file
+          (and then the views' own invariants hold).
 
     >>> pool = KVPool(8, block_size=4, head_dim=2)
-    >>> pool.num_free_blocks, pool.keys(0).shape
-    (8, (1, 8, 4, 2))
+    >>> pool.num_free_blocks, pool.key_pages(0).shape, pool.view_mode
+    (8, (8, 4, 1, 2), 'gather')
     """
 
     def __init__(
@@ -93,6 +105,7 @@ class KVPool:
         growable: bool = False,
         key_dtype: str | None = None,
         value_dtype: str | None = None,
+        view_mode: str = "auto",
     ) -> None:
         """Create a pool of ``num_blocks`` free blocks.
 
@@ -109,10 +122,15 @@ class KVPool:
                 ``"int8"`` or ``"float8_e4m3"`` (see :mod:`pagedkv.quantization`);
                 ``dtype`` stays the compute dtype.
             value_dtype: the same for values.
+            view_mode: how fragmented tables are read: ``"auto"`` (mapped
+                views where they work, else gathering), ``"views"`` (views or
+                a ``ConfigError`` saying why not) or ``"gather"``. The
+                resolved choice is ``pool.view_mode``; outputs are the same.
 
         Raises:
             ConfigError, InputTypeError: a size is not a positive int, or the
-                dtype is not float32/float64, or a storage dtype is unknown.
+                dtype is not float32/float64, or a storage dtype is unknown,
+                or ``view_mode`` is unknown or impossible.
             PoolTooLargeError: the arrays cannot be allocated (a ``MemoryError``
                 naming the bytes wanted).
             ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
@@ -132,15 +150,17 @@ class KVPool:
         #: Whether keys or values are quantized (attention then runs the chunked kernel).
         self.quantized = self._key_format is not None or self._value_format is not None
         wanted = num_blocks * (self.bytes_per_block + BOOKKEEPING_BYTES_PER_BLOCK)
+        block_bytes = self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        mode = choose_view_mode(view_mode, growable=growable, quantized=self.quantized,
+                                block_bytes=block_bytes)
         try:
             self.allocator = BlockAllocator(num_blocks)
-            shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
-            # np.zeros maps fresh zero pages lazily: untouched blocks cost no memory.
+            shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
             key_store = self._key_format.code_dtype if self._key_format else self.dtype
             value_store = self._value_format.code_dtype if self._value_format else self.dtype
-            self._keys = [np.zeros(shape, key_store) for _ in range(self.num_layers)]
-            self._values = [np.zeros(shape, value_store) for _ in range(self.num_layers)]
-            # Scales (num_kv_heads, num_blocks, block_size, num_groups) per quantized side and layer.
+            pages = new_page_arrays(self.num_layers, shape, key_store, value_store, mode == "views")
+            self._keys, self._values = pages.keys, pages.values
+            # Scales (num_blocks, block_size, num_kv_heads, num_groups) per quantized side and layer.
             self._key_scales = self._new_scales(self._key_format, num_blocks)
             self._value_scales = self._new_scales(self._value_format, num_blocks)
         except (MemoryError, ValueError, OverflowError):  # numpy: "array is too big" is a ValueError
@@ -150,6 +170,9 @@ class KVPool:
                 "give it fewer or smaller blocks",
                 wanted,
             ) from None
+        #: How fragmented tables are read: ``"views"`` (mapped) or ``"gather"`` (copied).
+        self.view_mode = "views" if pages.page_file is not None else "gather"
+        self._views = PageViews(pages.page_file, map_budget()) if pages.page_file is not None else None
         # NOTE: one scratch pair per thread, so caches (or sequences) used from
         # different threads never overwrite each other's gathered keys.
         self._scratch = Scratch(self.dtype)
@@ -217,12 +240,16 @@ class KVPool:
     def key_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s key scales ``(num_kv_heads, num_blocks, block_size, num_groups)`` (a view).
 
+        Head-major, like ``keys``; the storage is token-major.
+
         Raises:
             ConfigError: keys are not quantized.
         """
         if not self._key_scales:
             raise ConfigError("keys are not quantized in this pool; there are no scales")
-        return self._key_scales[check_layer(layer, self.num_layers)]
+        heads: npt.NDArray[np.floating] = self._key_scales[
+            check_layer(layer, self.num_layers)].transpose(2, 0, 1, 3)
+        return heads
 
     def value_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s value scales, shaped like ``key_scales``.
@@ -232,28 +259,59 @@ class KVPool:
         """
         if not self._value_scales:
             raise ConfigError("values are not quantized in this pool; there are no scales")
-        return self._value_scales[check_layer(layer, self.num_layers)]
+        heads: npt.NDArray[np.floating] = self._value_scales[
+            check_layer(layer, self.num_layers)].transpose(2, 0, 1, 3)
+        return heads
 
-    def keys(self, layer: int = 0) -> npt.NDArray[np.floating]:
-        """Layer ``layer``'s key storage ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view).
+    def key_pages(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key storage ``(num_blocks, block_size, num_kv_heads, head_dim)`` (a view).
 
-        With ``key_dtype`` set these are the codes; ``key_scales`` holds the scales.
+        With ``key_dtype`` set these are the codes.
+
+        >>> KVPool(3, block_size=2, num_kv_heads=4, head_dim=5).key_pages(0).shape
+        (3, 2, 4, 5)
         """
         return self._keys[check_layer(layer, self.num_layers)]
 
+    def value_pages(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s value storage, shaped like ``key_pages`` (a view)."""
+        return self._values[check_layer(layer, self.num_layers)]
+
+    def keys(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key storage as ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view).
+
+        The head-major order of the earlier layout, over the same memory as
+        ``key_pages`` (writes through it land in the pool). With ``key_dtype``
+        set these are the codes; ``key_scales`` holds the scales.
+        """
+        heads: npt.NDArray[np.floating] = self.key_pages(layer).transpose(2, 0, 1, 3)
+        return heads
+
     def values(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s value storage, shaped like ``keys`` (a view)."""
-        return self._values[check_layer(layer, self.num_layers)]
+        heads: npt.NDArray[np.floating] = self.value_pages(layer).transpose(2, 0, 1, 3)
+        return heads
+
+    @property
+    def view_stats(self) -> ViewStats:
+        """Counters of the page views (reads by view and by gather, blocks mapped...); zeros if gathering."""
+        return self._views.stats if self._views is not None else ViewStats()
+
+    @property
+    def num_mapped_blocks(self) -> int:
+        """Blocks mapped into views now (an upper bound on the memory areas they take)."""
+        return self._views.num_mapped_blocks if self._views is not None else 0
 
     def gather(
         self, layer: int, plan: ReadPlan
     ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
         """The keys and values ``plan`` reads, as ``(num_kv_heads, plan.num_tokens, head_dim)``.
 
-        A plan whose blocks are one run is read as a view of the storage;
-        any other is gathered into this thread's scratch buffer of this pool,
-        which the thread's next ``gather`` overwrites: read the result before
-        gathering again (other threads have scratch of their own).
+        Head-major views (``gather_tokens(...)`` transposed) of the storage
+        when the plan's blocks are one run, of this thread's scratch buffer
+        of this pool otherwise, which the thread's next gather overwrites:
+        read the result before gathering again (other threads have scratch
+        of their own).
 
         A quantized pool returns new arrays of the dequantized values
         (attention reads ``gather_quantized`` instead).
@@ -267,7 +325,48 @@ class KVPool:
         """
         if self.quantized:
             return self._dequantized(self.gather_quantized(layer, plan))
+        keys, values = self.gather_tokens(layer, plan)
+        return keys.transpose(1, 0, 2), values.transpose(1, 0, 2)
+
+    def gather_tokens(
+        self, layer: int, plan: ReadPlan
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """The keys and values ``plan`` reads, token-major ``(plan.num_tokens, num_kv_heads, head_dim)``.
+
+        Float pools only. Views of the storage for a run, of this thread's
+        scratch otherwise (as ``gather``).
+        """
         return gather(self._keys[layer], self._values[layer], plan, self._scratch)
+
+    def read(
+        self, layer: int, table: BlockTable, ranges: list[tuple[int, int]]
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """The tokens of ``table`` in ``ranges`` (logical index ranges), ``(num_tokens, H, d)`` each.
+
+        Float pools only. In ``"views"`` mode one range after the sinks is
+        read through the table's mapped view (read-only; valid until this
+        table's next read); anything else, or a view refused by the map
+        budget, is gathered as ``gather_tokens(layer, table.read_plan(ranges))``.
+        The arrays are equal either way.
+        """
+        views = self._views
+        if views is not None and len(ranges) == 1 and table.num_window_blocks:
+            start, end = ranges[0]
+            if start < end:
+                viewed = views.read(table, layer, start, end)
+                if viewed is not None:
+                    return viewed
+            views.stats.num_gather_reads += 1
+        return self.gather_tokens(layer, table.read_plan(ranges))
+
+    def release_views(self, table: BlockTable) -> None:
+        """Unmap every view of ``table`` (it is freed or closed); its next read maps again.
+
+        Safe to skip: a view is checked against its table at every read, and a
+        collected table's views are released by its finalizer.
+        """
+        if self._views is not None:
+            self._views.release(table)
 
     def gather_quantized(self, layer: int, plan: ReadPlan) -> tuple[Tokens, Tokens]:
         """The keys and values ``plan`` reads, in order, as stored.
@@ -298,14 +397,14 @@ class KVPool:
         values: npt.NDArray[np.floating],
     ) -> None:
         """Store ``keys``/``values`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots (quantizing them)."""
-        flat = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
         if self.quantized:
             key_side, value_side = self._sides(layer)
             write_tokens(*key_side, slots, keys)
             write_tokens(*value_side, slots, values)
             return
-        self._keys[layer].reshape(flat)[:, slots] = keys.transpose(1, 0, 2)
-        self._values[layer].reshape(flat)[:, slots] = values.transpose(1, 0, 2)
+        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        self._keys[layer].reshape(flat)[slots] = keys
+        self._values[layer].reshape(flat)[slots] = values
 
     def write_one(
         self,
@@ -320,14 +419,14 @@ class KVPool:
             slot = np.array([block_id * self.block_size + offset], np.intp)
             self.write(layer, slot, key[None], value[None])
             return
-        self._keys[layer][:, block_id, offset] = key
-        self._values[layer][:, block_id, offset] = value
+        self._keys[layer][block_id, offset] = key
+        self._values[layer][block_id, offset] = value
 
     def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
         """Copy every layer's contents of ``sources`` into ``destinations``."""
         for layer in range(self.num_layers):
-            self._keys[layer][:, destinations] = self._keys[layer][:, sources]
-            self._values[layer][:, destinations] = self._values[layer][:, sources]
+            self._keys[layer][destinations] = self._keys[layer][sources]
+            self._values[layer][destinations] = self._values[layer][sources]
         self.copy_block_scales(sources, destinations)
 
     def copy_block_scales(
@@ -341,7 +440,7 @@ class KVPool:
         into = self if target is None else target
         for mine, theirs in ((self._key_scales, into._key_scales), (self._value_scales, into._value_scales)):
             for layer, scales in enumerate(mine):
-                theirs[layer][:, destinations] = scales[:, sources]
+                theirs[layer][destinations] = scales[sources]
 
     def grow(self, num_new_blocks: int) -> None:
         """Add ``num_new_blocks`` blocks (ids after the existing ones stay valid).
@@ -355,10 +454,10 @@ class KVPool:
             raise ConfigError(f"this pool has a fixed size of {self.num_blocks} blocks; it never grows")
         num_new_blocks = check_count("num_new_blocks", num_new_blocks)
         old = self.num_blocks
-        shape = (self.num_kv_heads, old + num_new_blocks, self.block_size, self.head_dim)
         groups = (self._keys, self._values, self._key_scales, self._value_scales)
         try:  # every new array first, so a failure changes nothing
-            bigger = [[np.zeros((*shape[:3], a.shape[3]), a.dtype) for a in arrays] for arrays in groups]
+            bigger = [[np.zeros((old + num_new_blocks, *a.shape[1:]), a.dtype) for a in arrays]
+                      for arrays in groups]
         except (MemoryError, ValueError, OverflowError):
             wanted = (old + num_new_blocks) * (self.bytes_per_block + BOOKKEEPING_BYTES_PER_BLOCK)
             raise PoolTooLargeError(
@@ -367,7 +466,7 @@ class KVPool:
         self.allocator.grow(num_new_blocks)
         for arrays, new_arrays in zip(groups, bigger):
             for layer, (array, new_array) in enumerate(zip(arrays, new_arrays)):
-                new_array[:, :old] = array  # scales: last dim num_groups, not head_dim
+                new_array[:old] = array
                 arrays[layer] = new_array
 
     def attach(self, holder: BlockHolder) -> None:
@@ -399,7 +498,7 @@ class KVPool:
             self.grow(2 * num_held + 1 - self.num_blocks)
         for arrays in (self._keys, self._values, self._key_scales, self._value_scales):
             for array in arrays:
-                array[:, :num_held] = array[:, block_ids]
+                array[:num_held] = array[block_ids]
         self.allocator = BlockAllocator(self.num_blocks)
         return self.allocator.allocate(num_held)
 
@@ -423,7 +522,7 @@ class KVPool:
                 raise AssertionError(
                     f"block {block_id} has ref count {ref_count} but {count} block tables hold it"
                 )
-        shape = (self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for array in self._keys + self._values:
             if array.shape != shape:
                 raise AssertionError(f"storage shape {array.shape}, expected {shape}")
@@ -432,13 +531,17 @@ class KVPool:
             expected = [] if storage is None else [(*shape[:3], storage.num_groups)] * self.num_layers
             if [array.shape for array in scales] != expected:
                 raise AssertionError(f"scale shapes {[a.shape for a in scales]}, expected {expected}")
+        if (self.view_mode == "views") != (self._views is not None):
+            raise AssertionError(f"view_mode {self.view_mode!r} but views {self._views is not None}")
+        if self._views is not None:
+            self._views.check_invariants()
 
     # ---------------------------------------------------------------- private
 
     def _new_scales(self, storage: StorageFormat | None, num_blocks: int) -> list[npt.NDArray[np.floating]]:
         if storage is None:
             return []
-        shape = (self.num_kv_heads, num_blocks, self.block_size, storage.num_groups)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, storage.num_groups)
         return [np.zeros(shape, self.dtype) for _ in range(self.num_layers)]
 
     def _sides(self, layer: int) -> tuple[_Side, _Side]:
@@ -465,5 +568,5 @@ class KVPool:
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"num_layers={self.num_layers}, dtype={self.dtype}, "
             + (f"key_dtype={self.key_dtype}, value_dtype={self.value_dtype}, " if self.quantized else "")
-            + f"num_free_blocks={self.num_free_blocks})"
+            + f"view_mode={self.view_mode!r}, num_free_blocks={self.num_free_blocks})"
         )

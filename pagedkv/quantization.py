@@ -258,8 +258,9 @@ class QuantizedTokens:
     """Quantized keys or values of ``num_tokens`` tokens, head-major, in logical order.
 
     Attributes:
-        codes: ``(num_kv_heads, num_tokens, head_dim)``.
-        scales: ``(num_kv_heads, num_tokens, num_groups)``.
+        codes: ``(num_kv_heads, num_tokens, head_dim)`` (often a transposed
+            view of token-major pages; any strides).
+        scales: ``(num_kv_heads, num_tokens, num_groups)``, the same.
         storage: how to turn them back into floats.
     """
 
@@ -284,9 +285,11 @@ Tokens = npt.NDArray[np.floating] | QuantizedTokens
 
 # ------------------------------------------------------- storage in the pool
 #
-# A pool side (keys or values of one layer) is ``store`` ``(num_kv_heads,
-# num_blocks, block_size, head_dim)`` of floats or codes, and, when quantized,
-# ``scales`` ``(num_kv_heads, num_blocks, block_size, num_groups)``.
+# A pool side (keys or values of one layer) is ``store`` ``(num_blocks,
+# block_size, num_kv_heads, head_dim)`` of floats or codes, token-major, and,
+# when quantized, ``scales`` ``(num_blocks, block_size, num_kv_heads,
+# num_groups)``. What these return is head-major ``(num_kv_heads, num_tokens,
+# ...)``, as the chunked kernels read it (transposed views where they can be).
 
 
 def run_tokens(
@@ -299,13 +302,13 @@ def run_tokens(
     hi: int,
 ) -> Tokens:
     """Tokens ``lo .. hi - 1`` of the ``num_blocks`` blocks from ``first_id`` on (views)."""
-    heads, _, block_size, head_dim = store.shape
-    run = store[:, first_id : first_id + num_blocks]
-    codes = run.reshape(heads, num_blocks * block_size, head_dim)[:, lo:hi]
+    _, block_size, heads, head_dim = store.shape
+    run = store[first_id : first_id + num_blocks]
+    codes: npt.NDArray[Any] = run.reshape(num_blocks * block_size, heads, head_dim)[lo:hi].transpose(1, 0, 2)
     if storage is None or scales is None:
         return codes
-    run_scales = scales[:, first_id : first_id + num_blocks]
-    return QuantizedTokens(codes, run_scales.reshape(heads, num_blocks * block_size, -1)[:, lo:hi], storage)
+    run_scales = scales[first_id : first_id + num_blocks].reshape(num_blocks * block_size, heads, -1)
+    return QuantizedTokens(codes, run_scales[lo:hi].transpose(1, 0, 2), storage)
 
 
 def take_tokens(
@@ -314,13 +317,14 @@ def take_tokens(
     storage: StorageFormat | None,
     slots: npt.NDArray[np.intp],
 ) -> Tokens:
-    """Tokens at ``slots`` (``block_id * block_size + offset``), in order (new arrays)."""
-    heads, num_blocks, block_size, head_dim = store.shape
-    codes = np.take(store.reshape(heads, num_blocks * block_size, head_dim), slots, axis=1)
+    """Tokens at ``slots`` (``block_id * block_size + offset``), in order (new arrays, transposed)."""
+    num_blocks, block_size, heads, head_dim = store.shape
+    flat = store.reshape(num_blocks * block_size, heads, head_dim)
+    codes: npt.NDArray[Any] = np.take(flat, slots, axis=0).transpose(1, 0, 2)
     if storage is None or scales is None:
         return codes
-    flat_scales = scales.reshape(heads, num_blocks * block_size, -1)
-    return QuantizedTokens(codes, np.take(flat_scales, slots, axis=1), storage)
+    flat_scales = scales.reshape(num_blocks * block_size, heads, -1)
+    return QuantizedTokens(codes, np.take(flat_scales, slots, axis=0).transpose(1, 0, 2), storage)
 
 
 def write_tokens(
@@ -331,14 +335,14 @@ def write_tokens(
     tokens: npt.NDArray[np.floating],
 ) -> None:
     """Store ``tokens`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots, quantizing them."""
-    heads, num_blocks, block_size, head_dim = store.shape
-    flat = store.reshape(heads, num_blocks * block_size, head_dim)
+    num_blocks, block_size, heads, head_dim = store.shape
+    flat = store.reshape(num_blocks * block_size, heads, head_dim)
     if storage is None or scales is None:
-        flat[:, slots] = tokens.transpose(1, 0, 2)
+        flat[slots] = tokens
         return
     codes, token_scales = storage.quantize(tokens)  # (n, heads, head_dim), (n, heads, num_groups)
-    flat[:, slots] = codes.transpose(1, 0, 2)
-    scales.reshape(heads, num_blocks * block_size, -1)[:, slots] = token_scales.transpose(1, 0, 2)
+    flat[slots] = codes
+    scales.reshape(num_blocks * block_size, heads, -1)[slots] = token_scales
 
 
 def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:

@@ -60,11 +60,10 @@ def attend_window(
     dense_keys = np.asarray(keys, dtype=dtype)
     dense_values = np.asarray(values, dtype=dtype)
     num_tokens, head_dim = dense_keys.shape[0], dense_keys.shape[-1]
-    # (num_tokens, num_kv_heads, head_dim) -> (num_kv_heads, num_tokens, head_dim), contiguous
-    dense_keys = np.ascontiguousarray(dense_keys.reshape(num_tokens, -1, head_dim).transpose(1, 0, 2))
-    dense_values = np.ascontiguousarray(
-        dense_values.reshape(num_tokens, -1, head_dim).transpose(1, 0, 2)
-    )
+    # (num_tokens, num_kv_heads, head_dim), contiguous, seen as (num_kv_heads, num_tokens, head_dim):
+    # the strides a paged read hands the kernel, so both round the same way.
+    dense_keys = np.ascontiguousarray(dense_keys.reshape(num_tokens, -1, head_dim)).transpose(1, 0, 2)
+    dense_values = np.ascontiguousarray(dense_values.reshape(num_tokens, -1, head_dim)).transpose(1, 0, 2)
     if key_dtype is not None or value_dtype is not None:
         keys_read = _quantized(dense_keys, key_dtype)
         values_read = _quantized(dense_values, value_dtype)

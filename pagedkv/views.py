@@ -1,0 +1,276 @@
+"""Page views: a block table's blocks mapped side by side, so one array reads them all.
+
+vAttention's idea on a CPU: instead of gathering a table's blocks into
+scratch on every read, each (table, layer, K/V) gets an address range
+(:class:`~pagedkv.vmem.Reservation`) into which its window blocks are mapped
+in logical order. Attention then reads one contiguous
+``(num_tokens, num_kv_heads, head_dim)`` array, the same shape and strides a
+contiguous cache would give it, whatever the block ids.
+
+Mapping is lazy and incremental: every read first *syncs* the range with
+the table as it is now, mapping only the blocks that changed (a new block, a
+copy-on-write replacement) and zeroing the positions whose blocks left
+(eviction, truncation). Position ``p`` of a range shows logical block
+``base + p``; when the table's blocks run past the range's end, the range is
+a ring: ``base`` moves to the first held block and the held blocks are mapped
+again from position 0 (amortised: the range holds twice the blocks)::
+
+    block_size 4, capacity 4 positions, table holds logical blocks 5, 6:
+        before:  base 3 | (zero) (zero) b5 b6 |   appending block 7 runs out
+        after:   base 5 | b5     b6     b7 (zero) |
+
+Because every read syncs first, no read through this module ever sees a
+block the table no longer holds: a freed, evicted or restored table can only
+read what it holds now. Released views are zeroed before they are dropped, so
+an array that outlives its view reads zeros, never another sequence's data,
+and never faults (see :mod:`pagedkv.vmem`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.block_table import BlockTable
+from pagedkv.vmem import MapBudget, Reservation
+
+__all__ = ["MIN_CAPACITY", "PageFile", "PageViews", "ViewStats"]
+
+#: Fewest block positions a range reserves (address space only; it costs no memory).
+MIN_CAPACITY = 16
+
+#: Areas charged per range beyond its mapped blocks: the zero pages on either side.
+_AREAS_PER_RANGE = 2
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class PageFile:
+    """Where blocks live in the shared page file: layer ``l``, side ``s`` (0 keys, 1 values).
+
+    Attributes:
+        fd: the file's descriptor.
+        num_blocks: blocks per (layer, side).
+        block_bytes: bytes of one block of one side of one layer (a multiple of the page size).
+        token_shape: ``(num_kv_heads, head_dim)``.
+        dtype: the pages' dtype.
+    """
+
+    fd: int
+    num_blocks: int
+    block_bytes: int
+    token_shape: tuple[int, int]
+    dtype: np.dtype[Any]
+
+    def offset(self, layer: int, side: int, block_id: int) -> int:
+        """Byte offset of a block in the file::
+
+            | L0 keys: blk 0 .. n-1 | L0 values: blk 0 .. n-1 | L1 keys ... |
+        """
+        return ((2 * layer + side) * self.num_blocks + block_id) * self.block_bytes
+
+
+@dataclass
+class ViewStats:
+    """Counters of one pool's page views (all reads since the pool was made).
+
+    Attributes:
+        num_view_reads: reads served by a mapped view.
+        num_gather_reads: reads that fell back to gathering (slots plans, the
+            map budget, a refused mapping).
+        num_maps: blocks mapped (``mmap`` calls).
+        num_zeroes: position runs zeroed (eviction, truncation, release).
+        num_fallbacks: reads refused by the map budget or the kernel.
+    """
+
+    num_view_reads: int = 0
+    num_gather_reads: int = 0
+    num_maps: int = 0
+    num_zeroes: int = 0
+    num_fallbacks: int = 0
+
+
+class _Range:
+    """One (table, layer, side) address range and what is mapped in it."""
+
+    def __init__(self, capacity: int, block_bytes: int) -> None:
+        self.reservation = Reservation(capacity * block_bytes)
+        self.capacity = capacity
+        self.base = 0  # logical block at position 0
+        self.lo = 0  # first mapped position; mapped are lo .. lo + len(ids) - 1
+        self.ids: list[int] = []
+        self.num_charged = 0
+
+
+class PageViews:
+    """Every page view of one pool, one registry per pool, safe to use from many threads.
+
+    Invariants:
+        * each range maps exactly ``ids`` at positions ``lo .. lo + len(ids) - 1``
+          and zeros everywhere else;
+        * the areas charged to the budget are ``len(ids) + 2`` per range;
+        * a range belongs to a live table; a collected table's ranges are released.
+    """
+
+    def __init__(self, pages: PageFile, budget: MapBudget) -> None:
+        self.pages = pages
+        self.budget = budget
+        self.stats = ViewStats()
+        self._lock = threading.Lock()
+        # id(table) -> {(layer, side): range}; the finalizer releases them.
+        self._ranges: dict[int, dict[tuple[int, int], _Range]] = {}
+        self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
+        # NOTE: a collected table's key waits here for the next call that holds
+        # the lock: a finalizer may run inside any allocation, even one made
+        # while this thread holds the lock, so it must not take it.
+        self._dead: list[int] = []
+
+    @property
+    def num_ranges(self) -> int:
+        """Ranges reserved now."""
+        with self._lock:
+            self._release_dead()
+            return sum(len(ranges) for ranges in self._ranges.values())
+
+    @property
+    def num_mapped_blocks(self) -> int:
+        """Blocks mapped now, over every range (an upper bound on the areas they take)."""
+        with self._lock:
+            self._release_dead()
+            return sum(len(r.ids) for ranges in self._ranges.values() for r in ranges.values())
+
+    def read(self, table: BlockTable, layer: int, start: int, end: int) -> tuple[Array, Array] | None:
+        """Tokens ``start .. end - 1`` of ``table`` in layer ``layer`` as ``(n, H, d)`` views, or None.
+
+        The range must lie in the window part (after the sink blocks). None
+        means the views cannot be had now (the budget, or the kernel refused):
+        the caller gathers. The arrays are read-only and valid until this
+        table's next read or release; they keep their memory mapped.
+        """
+        bs = table.block_size
+        num_window = table.num_window_blocks
+        first = table.first_block_index
+        if not num_window or start < first * bs or end > (first + num_window) * bs:
+            return None
+        ids = table.block_ids[table.num_blocks - num_window :]
+        with self._lock:
+            self._release_dead()
+            ranges = self._ranges.get(id(table))
+            if ranges is None:
+                ranges = self._ranges[id(table)] = {}
+                self._finalizers[id(table)] = weakref.finalize(table, self._forget, id(table))
+            sides = []
+            for side in (0, 1):
+                piece = self._sync(ranges, layer, side, first, ids)
+                if piece is None:
+                    self.stats.num_fallbacks += 1
+                    self._release_locked(id(table))
+                    return None
+                token_bytes = self.pages.block_bytes // bs
+                offset = (start - piece.base * bs) * token_bytes
+                flat = piece.reservation.array(offset, (end - start) * token_bytes, self.pages.dtype)
+                sides.append(flat.reshape(end - start, *self.pages.token_shape))
+            self.stats.num_view_reads += 1
+        return sides[0], sides[1]
+
+    def release(self, table: BlockTable) -> None:
+        """Zero and drop every range of ``table`` (a closed cache, a freed sequence)."""
+        with self._lock:
+            self._release_dead()
+            self._release_locked(id(table))
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if a range's bookkeeping disagrees with the docstring."""
+        with self._lock:
+            self._release_dead()
+            for ranges in self._ranges.values():
+                for piece in ranges.values():
+                    if piece.num_charged != len(piece.ids) + _AREAS_PER_RANGE:
+                        raise AssertionError(
+                            f"range charges {piece.num_charged} areas for {len(piece.ids)} blocks")
+                    if piece.lo < 0 or piece.lo + len(piece.ids) > piece.capacity:
+                        raise AssertionError(
+                            f"mapped positions {piece.lo}+{len(piece.ids)} past {piece.capacity}")
+        self.budget.check_invariants()
+
+    # ---------------------------------------------------------------- private
+
+    def _sync(
+        self, ranges: dict[tuple[int, int], _Range], layer: int, side: int, first: int, ids: list[int]
+    ) -> _Range | None:
+        """Make the range of (layer, side) map ``ids`` as logical blocks ``first ..``; None on refusal."""
+        num = len(ids)
+        piece = ranges.get((layer, side))
+        turns = piece is not None and (first < piece.base or first + num > piece.base + piece.capacity)
+        # NOTE: a turn remaps every held block, so the range keeps room for as
+        # many again: one extra mapping per appended block, amortised.
+        if piece is None or num > piece.capacity or (turns and 2 * num > piece.capacity):
+            if piece is not None:
+                self._drop(piece)
+            try:
+                piece = _Range(max(2 * num, MIN_CAPACITY), self.pages.block_bytes)
+            except (OSError, ValueError, OverflowError):
+                ranges.pop((layer, side), None)
+                return None
+            piece.base = first
+            ranges[(layer, side)] = piece
+        elif turns:
+            piece.base = first  # the ring turns: positions are recomputed below
+        lo = first - piece.base
+        if not self.budget.take(num + _AREAS_PER_RANGE - piece.num_charged):
+            return None
+        piece.num_charged = num + _AREAS_PER_RANGE
+        block_bytes = self.pages.block_bytes
+        # Zero what lies outside the new mapped positions, then map what differs.
+        old_lo, old_ids = piece.lo, piece.ids
+        old_hi = old_lo + len(old_ids)
+        for zero_lo, zero_hi in ((old_lo, min(old_hi, lo)), (max(old_lo, lo + num), old_hi)):
+            if zero_lo < zero_hi:
+                piece.reservation.zero(zero_lo * block_bytes, (zero_hi - zero_lo) * block_bytes)
+                self.stats.num_zeroes += 1
+        if old_lo == lo and old_ids == ids:
+            return piece
+        new_ids: list[int] = []
+        for position, block_id in enumerate(ids, start=lo):
+            index = position - old_lo
+            if not (0 <= index < len(old_ids) and old_ids[index] == block_id):
+                file_offset = self.pages.offset(layer, side, block_id)
+                if not piece.reservation.map(position * block_bytes, block_bytes, self.pages.fd, file_offset):
+                    # Leave the range consistent: what was mapped so far, zeros after.
+                    piece.reservation.zero(position * block_bytes, (lo + num - position) * block_bytes)
+                    piece.lo, piece.ids = lo, new_ids
+                    return None
+                self.stats.num_maps += 1
+            new_ids.append(block_id)
+        piece.lo, piece.ids = lo, new_ids
+        return piece
+
+    def _drop(self, piece: _Range) -> None:
+        piece.reservation.zero(0, piece.reservation.size)
+        self.stats.num_zeroes += 1
+        self.budget.give(piece.num_charged)
+        piece.num_charged = 0
+        piece.ids = []
+
+    def _release_locked(self, key: int) -> None:
+        for piece in self._ranges.pop(key, {}).values():
+            self._drop(piece)
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    def _forget(self, key: int) -> None:
+        self._dead.append(key)  # atomic; released under the lock by the next call
+
+    def _release_dead(self) -> None:
+        while self._dead:
+            key = self._dead.pop()
+            self._finalizers.pop(key, None)
+            for piece in self._ranges.pop(key, {}).values():
+                self._drop(piece)

@@ -1,0 +1,215 @@
+"""Virtual memory primitives for page views: a shared page file, address ranges, a map budget.
+
+The pool's float pages can live in one shared memory file (``os.memfd_create``,
+or an unlinked file under ``/dev/shm``). A *reservation* is an address range of
+this process, mapped read-only to zero pages; mapping a block there
+(``mmap(MAP_FIXED | MAP_SHARED)`` at the block's file offset) makes those
+addresses show the block's bytes, so any order of blocks reads as one
+contiguous array::
+
+    page file:    | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 | ...
+    reservation:  | blk 3 | blk 0 | blk 4 | zeros | zeros |     -> np.frombuffer: one array
+
+Safety rests on three rules, each enforced here:
+
+* a reservation is always mapped, whole, for as long as any array points into
+  it: it is a Python ``mmap`` object, which numpy arrays keep alive and which
+  alone unmaps the range, when the last reference goes;
+* ``MAP_FIXED`` replaces a mapping atomically, so a reader never meets a hole;
+* unmapping a block means mapping zeros over it, never leaving it mapped.
+
+Each mapping that does not merge with its neighbour is one kernel memory area,
+and a process may hold ``vm.max_map_count`` of them: :class:`MapBudget` counts
+the areas views may use, for every pool of the process together.
+
+Linux only: :func:`views_supported` says whether this process can map views.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["PAGE_SIZE", "MapBudget", "Reservation", "map_budget", "open_page_file", "views_supported"]
+
+#: The granularity of a mapping: a block's bytes must be a multiple of it to be mapped.
+PAGE_SIZE = mmap.PAGESIZE
+
+_PROT_READ = 0x1
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_FAILED = ctypes.c_void_p(-1).value
+
+#: Areas left to everything else in the process when the budget is sized from ``vm.max_map_count``.
+_HEADROOM_AREAS = 8192
+_DEFAULT_MAX_MAP_COUNT = 65530
+
+
+class _Libc:
+    """ctypes bindings of ``mmap``; loaded once, on first use."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        self.mmap = libc.mmap
+
+
+_LIBC: _Libc | None = None
+_LIBC_LOCK = threading.Lock()
+
+
+def _libc() -> _Libc:
+    global _LIBC
+    with _LIBC_LOCK:
+        if _LIBC is None:
+            _LIBC = _Libc()
+        return _LIBC
+
+
+def views_supported() -> bool:
+    """Whether this platform can map page views (Linux with ``MAP_FIXED``; loadable libc).
+
+    >>> isinstance(views_supported(), bool)
+    True
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        _libc()
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def open_page_file(size: int) -> int:
+    """A file descriptor of a new shared memory file of ``size`` bytes (zeros, allocated lazily).
+
+    ``os.memfd_create`` where it exists, else a file under ``/dev/shm``
+    unlinked at once. The caller owns the descriptor.
+
+    Raises:
+        OSError: neither could be made, or ``size`` bytes cannot be reserved.
+    """
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("pagedkv-pages", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - Linux has memfd_create since 3.17
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix="pagedkv-pages-", dir="/dev/shm")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Reservation:
+    """An address range of ``size`` bytes: read-only zeros until blocks are mapped into it.
+
+    Invariants:
+        * the whole range is mapped from creation until the last array into it
+          is gone (the ``mmap`` object owns the range);
+        * every page of it shows either zeros or one block of the page file.
+    """
+
+    def __init__(self, size: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self._mmap = mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ)
+        #: The range as bytes; every view is a slice of it, so it keeps ``_mmap`` alive.
+        self.bytes: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, np.uint8)
+        self.address: int = self.bytes.ctypes.data
+        self.size = size
+
+    def map(self, offset: int, size: int, fd: int, file_offset: int) -> bool:
+        """Show ``size`` bytes of file ``fd`` from ``file_offset`` at ``offset`` of the range.
+
+        Returns False (the range unchanged) when the kernel refuses, e.g. at
+        ``vm.max_map_count``.
+        """
+        got = _libc().mmap(self.address + offset, size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, file_offset)
+        return got not in (None, _FAILED)
+
+    def zero(self, offset: int, size: int) -> None:
+        """Show zeros at ``offset .. offset + size`` again (the block there is no longer visible).
+
+        Raises:
+            OSError: the kernel refused (never seen: zero pages merge with the
+                reservation's own area, so they need no new one).
+        """
+        flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+        got = _libc().mmap(self.address + offset, size, _PROT_READ, flags, -1, 0)
+        if got in (None, _FAILED):  # pragma: no cover - see the docstring
+            raise OSError(ctypes.get_errno(), "mapping zeros over a view failed")
+
+    def array(self, offset: int, size: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """``size`` bytes from ``offset`` as a read-only array of ``dtype`` (a view into the range)."""
+        return self.bytes[offset : offset + size].view(dtype)
+
+
+class MapBudget:
+    """How many memory areas page views may hold, across every pool of the process.
+
+    ``limit`` starts at ``vm.max_map_count`` less a headroom for everything
+    else the process maps; tests and benchmarks may set it lower.
+
+    Invariants:
+        * ``0 <= num_used <= limit`` after every ``take`` (``limit`` may be set below it).
+
+    >>> budget = MapBudget(limit=10)
+    >>> budget.take(4), budget.take(7), budget.num_used
+    (True, False, 4)
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = _default_limit() if limit is None else limit
+        self.num_used = 0
+        self._lock = threading.Lock()
+
+    def take(self, num_areas: int) -> bool:
+        """Claim ``num_areas`` areas if they fit under ``limit``; say whether they were claimed."""
+        with self._lock:
+            if self.num_used + num_areas > self.limit:
+                return False
+            self.num_used += num_areas
+            return True
+
+    def give(self, num_areas: int) -> None:
+        """Return ``num_areas`` areas claimed by ``take``."""
+        with self._lock:
+            self.num_used -= num_areas
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the count went negative."""
+        if self.num_used < 0:
+            raise AssertionError(f"map budget counts {self.num_used} areas in use")
+
+
+def _default_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as handle:
+            max_map_count = int(handle.read())
+    except (OSError, ValueError):
+        max_map_count = _DEFAULT_MAX_MAP_COUNT
+    return max(0, max_map_count - _HEADROOM_AREAS)
+
+
+_BUDGET = MapBudget()
+
+
+def map_budget() -> MapBudget:
+    """The process's one :class:`MapBudget` (set its ``limit`` to test the fall-back).
+
+    >>> map_budget().limit >= 0
+    True
+    """
+    return _BUDGET
