@@ -1,0 +1,212 @@
+"""What pagedkv needs to know about a transformers model, and what it refuses.
+
+A model's config says everything a pool and a manager need::
+
+    num_hidden_layers 4, layer_types [full, sliding(8), dummy, full]
+        storing_layers      (0, 1, 3)       model layer of each pool layer
+        windows             (None, 8, None, None)
+        pool layers         3               a shared-KV ("dummy") layer stores nothing
+
+NOTE: only layers that store keys get a pool layer. The manager refuses a new
+reservation while any of its layers has not written the last one, so a model
+layer that never calls ``Cache.update`` (it reuses another layer's keys) would
+wedge every later step if it had a pool layer of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedkv.errors import ConfigError
+from pagedkv.inputs import FLOAT_DTYPES
+from pagedkv.integrations.hf.extra import require
+
+__all__ = ["ModelSpec", "attention_refusals", "read_spec"]
+
+#: Layer types that keep per-token keys and values, with whether they slide.
+_STORING_TYPES = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}
+#: Layer types that store nothing (shared-KV consumers, MLP- or MoE-only layers).
+_EMPTY_TYPES = ("dummy", "moe", "mlp")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model's attention, as pagedkv sees it.
+
+    Invariants:
+        * ``storing_layers`` is strictly increasing, inside ``0 .. num_layers - 1``;
+        * ``windows`` and ``layer_types`` have one entry per model layer;
+        * ``num_q_heads`` is a multiple of ``num_kv_heads``.
+
+    Attributes:
+        num_layers: the model's layers, storing or not.
+        storing_layers: the model layer of each pool layer, in order.
+        layer_types: transformers' type of each model layer.
+        windows: each model layer's sliding window (None: unbounded).
+        num_q_heads: query heads.
+        num_kv_heads: key/value heads.
+        head_dim: values per head.
+        scale: the score scale the model's attention uses.
+        dtype: the model's float dtype, the pool's dtype.
+
+    >>> spec = ModelSpec(2, (0, 1), ("full_attention",) * 2, (None, None), 4, 2, 16, 0.25,
+    ...                  np.dtype(np.float32))
+    >>> spec.pool_layer(1), spec.pool_windows
+    (1, [None, None])
+    """
+
+    num_layers: int
+    storing_layers: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    windows: tuple[int | None, ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: np.dtype[Any]
+
+    def __post_init__(self) -> None:
+        self.check_invariants()
+
+    @property
+    def pool_windows(self) -> list[int | None]:
+        """The window of each pool layer (the manager's ``layer_max_sizes``)."""
+        return [self.windows[layer] for layer in self.storing_layers]
+
+    def pool_layer(self, layer_idx: int) -> int:
+        """The pool layer of model layer ``layer_idx``.
+
+        Raises:
+            ConfigError: that model layer stores no keys (its config type says so).
+        """
+        if layer_idx in self.storing_layers:
+            return self.storing_layers.index(layer_idx)
+        kind = self.layer_types[layer_idx] if 0 <= layer_idx < self.num_layers else "out of range"
+        raise ConfigError(
+            f"model layer {layer_idx} ({kind}) has no pool layer: the config says it stores no keys; "
+            f"storing layers are {list(self.storing_layers)}"
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        layers = self.storing_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.num_layers for i in layers):
+            raise AssertionError(f"storing layers {layers} of {self.num_layers}")
+        if len(self.windows) != self.num_layers or len(self.layer_types) != self.num_layers:
+            raise AssertionError("windows and layer_types need one entry per layer")
+        if self.num_q_heads % self.num_kv_heads:
+            raise AssertionError(f"{self.num_q_heads} query heads over {self.num_kv_heads} kv heads")
+
+
+def _layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """transformers' own reading of a config's layer types (layer_types, sliding_window, KV sharing)."""
+    types, kwargs = require("transformers.cache_utils").get_layer_types_and_kwargs(config)
+    return list(types), list(kwargs)
+
+
+def _model_scale(model: Any, head_dim: int) -> float:
+    """The ``scaling`` the model's attention modules pass, else ``head_dim ** -0.5``."""
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, float) and hasattr(module, "layer_idx"):
+            return float(scaling)
+    return 1.0 / math.sqrt(head_dim)
+
+
+def read_spec(model: Any) -> ModelSpec:
+    """Read a decoder-only transformers model's attention shape from its config.
+
+    Raises:
+        ConfigError: an encoder-decoder model, a layer type pagedkv cannot store
+            (linear attention, hybrid), or a dtype other than float32/float64.
+
+    >>> read_spec(object())
+    Traceback (most recent call last):
+    ...
+    pagedkv.errors.ConfigError: object has no transformers config (model.config); pass a transformers model
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise ConfigError(
+            f"{type(model).__name__} has no transformers config (model.config); pass a transformers model"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{config.model_type} is an encoder-decoder model; PagedCache serves decoder-only models"
+        )
+    text = config.get_text_config(decoder=True)
+    types, kwargs = _layer_types(text)
+    storing, windows = [], []
+    for layer, (kind, extra) in enumerate(zip(types, kwargs)):
+        if kind in _STORING_TYPES:
+            storing.append(layer)
+            windows.append(int(extra["sliding_window"]) if _STORING_TYPES[kind] else None)
+        elif kind in _EMPTY_TYPES:
+            windows.append(None)
+        else:
+            raise ConfigError(
+                f"model layer {layer} is a {kind!r} layer; pagedkv stores only full, sliding and chunked "
+                "attention layers (and skips shared-KV 'dummy' ones)"
+            )
+    num_q_heads = int(text.num_attention_heads)
+    num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_q_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_q_heads)
+    dtype = str(getattr(model, "dtype", "torch.float32")).removeprefix("torch.")
+    if dtype not in [str(known) for known in FLOAT_DTYPES]:
+        raise ConfigError(
+            f"the model computes in {dtype}; pagedkv pools store float32 or float64: "
+            "call model.float() or model.double() first"
+        )
+    return ModelSpec(
+        num_layers=len(types),
+        storing_layers=tuple(storing),
+        layer_types=tuple(types),
+        windows=tuple(windows),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=_model_scale(model, head_dim),
+        dtype=np.dtype(dtype),
+    )
+
+
+def attention_refusals(model: Any) -> list[str]:
+    """What the model's attention needs that ``KVCacheManager.attend`` cannot compute; empty if nothing.
+
+    Each entry names the feature and where it was found. Storage mode (transformers'
+    own attention over pagedkv's pages) has no such limits.
+
+    >>> attention_refusals(object())
+    []
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return []
+    text = config.get_text_config(decoder=True)
+    found = []
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        found.append(f"logit softcapping (config.attn_logit_softcapping={softcap})")
+    if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
+        found.append("attention bias (ALiBi)")
+    if getattr(text, "is_causal", True) is False:
+        found.append("non-causal attention (config.is_causal=False)")
+    if "chunked_attention" in _layer_types(text)[0]:
+        found.append("chunked attention (config.attention_chunk_size): pagedkv windows slide, chunks do not")
+    dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0 and getattr(model, "training", False):
+        found.append(f"attention dropout {dropout} in training mode (call model.eval())")
+    for name, module in model.named_modules():
+        if not hasattr(module, "layer_idx"):
+            continue
+        if getattr(module, "sinks", None) is not None:
+            found.append(f"learned sink logits ({name}.sinks)")
+            break
+        if getattr(module, "is_causal", True) is False:
+            found.append(f"non-causal attention ({name}.is_causal=False)")
+            break
+    return found

@@ -1,0 +1,120 @@
+"""transformers' tensor layout to pagedkv's and back, once per call.
+
+transformers passes ``(batch, heads, seq, head_dim)``; the manager takes the
+batch's new tokens flattened in batch order, ``(tokens, heads, head_dim)``::
+
+    batch 2, seq 3, row 1 left-padded by 2 (x = pad, never stored)
+    (batch, seq)   a0 a1 a2 | x x b0
+    tokens         a0 a1 a2 b0          select = [0, 1, 2, 5]
+
+Everything here is CPU only: ``Tensor.numpy()`` shares memory with the tensor.
+Tensors are ``Any`` to mypy (see :mod:`pagedkv.integrations.hf.extra`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.errors import ShapeError
+from pagedkv.integrations.hf.extra import require
+
+__all__ = ["Tensor", "check_states", "from_tokens", "padding_layout", "to_tokens"]
+
+#: A ``torch.Tensor`` (torch is loaded only when used).
+Tensor = Any
+
+
+def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype: np.dtype[Any]) -> None:
+    """Refuse anything but a CPU tensor ``(batch, num_heads, seq, head_dim)`` of ``dtype``.
+
+    Raises:
+        ShapeError: a wrong shape, dtype or device.
+    """
+    shape = tuple(getattr(states, "shape", ()))
+    if len(shape) != 4 or not hasattr(states, "device"):
+        raise ShapeError(
+            f"{name} must be a tensor (batch, heads, seq, head_dim), got {shape or type(states)}"
+        )
+    if (shape[1], shape[3]) != (num_heads, head_dim):
+        raise ShapeError(
+            f"{name} has {shape[1]} heads of {shape[3]} values; "
+            f"the pool holds {num_heads} heads of {head_dim}"
+        )
+    if states.device.type != "cpu" or str(states.dtype).removeprefix("torch.") != str(dtype):
+        raise ShapeError(
+            f"{name} is {states.dtype} on {states.device}; the pool holds {dtype} on the CPU "
+            "(pagedkv runs on the CPU only)"
+        )
+
+
+def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:
+    """``(batch, heads, seq, head_dim)`` as ``(tokens, heads, head_dim)``, only the positions in ``select``.
+
+    Returns:
+        A C-contiguous array; it may share memory with ``states`` (one position
+        per row reshapes without a copy), so read it, do not keep it.
+    """
+    batch, heads, seq, head_dim = states.shape
+    flat = states.detach().transpose(1, 2).reshape(batch * seq, heads, head_dim)  # (tokens, heads, head_dim)
+    if select is not None:
+        flat = flat.index_select(0, select)
+    array: npt.NDArray[Any] = flat.contiguous().numpy()
+    return array
+
+
+def from_tokens(outputs: npt.NDArray[Any], batch: int, seq: int, select: Tensor | None = None) -> Tensor:
+    """The manager's ``(tokens, heads, head_dim)`` as ``(batch, seq, heads, head_dim)``; pads get zeros.
+
+    Returns:
+        A tensor sharing memory with ``outputs`` (a new array) when nothing is padded, else a new one.
+    """
+    torch = require("torch")
+    tensor = torch.from_numpy(outputs)
+    heads, head_dim = outputs.shape[1:]
+    if select is None:
+        return tensor.view(batch, seq, heads, head_dim)
+    full = tensor.new_zeros((batch * seq, heads, head_dim))
+    full.index_copy_(0, select, tensor)
+    return full.view(batch, seq, heads, head_dim)
+
+
+def padding_layout(
+    padding: Tensor | None, num_new: int, num_held: list[int], num_pads: list[int]
+) -> tuple[list[int], Tensor | None, list[int]]:
+    """Which new positions of each row are real, for a step of ``num_new`` columns.
+
+    Args:
+        padding: ``(rows, num_new)`` booleans (False: padding), or None.
+        num_new: new columns per row.
+        num_held: tokens each row holds already (read only when ``padding`` is given).
+        num_pads: each row's padding columns so far.
+
+    Returns:
+        ``(counts, select, pads)``: real tokens per row, the flat ``(row, position)``
+        indices to store (None: all), and each row's padding columns after the step.
+
+    Raises:
+        ShapeError: a wrong mask shape, or padding after a real token (only left padding is served).
+    """
+    num_rows = len(num_pads)
+    if padding is None or bool(padding.all()):
+        return [num_new] * num_rows, None, list(num_pads)
+    torch = require("torch")
+    real = padding.detach().to(device="cpu", dtype=torch.bool)
+    if tuple(real.shape) != (num_rows, num_new):
+        raise ShapeError(
+            f"the padding mask is {tuple(real.shape)}; expected (rows, seq) = {(num_rows, num_new)}"
+        )
+    counts = real.sum(dim=1).tolist()
+    for row, count in enumerate(counts):
+        left_padded = bool(real[row, num_new - count :].all())
+        if not left_padded or (count < num_new and num_held[row] > 0):
+            raise ShapeError(
+                f"row {row} has padding after a real token (mask {real[row].int().tolist()}); "
+                "pagedkv attention serves left padding only"
+            )
+    select = torch.nonzero(real.reshape(-1)).squeeze(1)
+    return counts, select, [pads + num_new - count for pads, count in zip(num_pads, counts)]
