@@ -24,13 +24,14 @@ lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.admission import admit
+from pagedkv.admission import AdmissionPlan, admit, plan_admission
 from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
@@ -39,6 +40,7 @@ from pagedkv.errors import (
     SequenceStateError,
 )
 from pagedkv.events import KVEvent, KVEventBuffer
+from pagedkv.extra_keys import ExtraKeys
 from pagedkv.inputs import check_scale, like_input
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
@@ -244,18 +246,57 @@ class KVCacheManager:
             return table.window_start
         return max(table.window_start, min(table.num_tokens + 1 - self.max_size, table.num_tokens))
 
-    def plan(self, requests: Requests) -> ReservationPlan:
+    @locked
+    def lookup(
+        self, prompt: Sequence[int], *, extra_keys: ExtraKeys | None = None
+    ) -> AdmissionPlan:
+        """What admitting ``prompt`` would find cached and take, changing nothing.
+
+        ``add_sequence(seq_id, prompt, extra_keys=...)`` then returns exactly
+        ``num_cached_tokens``, and it with one ``reserve`` of the rest of the
+        prompt takes exactly ``num_blocks_taken`` blocks, if nothing happens
+        in between. The keys computed here are kept for that ``add_sequence``
+        (each block is still hashed once).
+
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), enable_prefix_caching=True)
+        >>> plan = manager.lookup([1, 2, 3, 4, 5])
+        >>> plan.num_cached_tokens, plan.num_new_blocks, plan.fits
+        (0, 3, True)
+
+        Raises:
+            InputTypeError, ConfigError: a bad token id or extra key.
+        """
+        return plan_admission(self._sharing, self.pool.allocator, prompt, extra_keys, self.pool.block_size)
+
+    def plan(self, requests: Requests, *, admit: Sequence[AdmissionPlan] = ()) -> ReservationPlan:
         """What ``reserve(requests)`` would take and free, without doing it.
+
+        Args:
+            requests: as for ``reserve`` (may be ``{}`` when ``admit`` is given).
+            admit: ``lookup`` results of prompts to admit first, in the same
+                step: their blocks count too (a cached block two of them
+                revive counts once).
 
         Raises:
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        return plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
+        if admit and isinstance(requests, Mapping) and not requests:  # admissions only
+            num_free = self.pool.allocator.num_free_blocks
+            plan = ReservationPlan(True, 0, 0, 0, num_free)
+        else:
+            plan = plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
+        if not admit:
+            return plan
+        revived = {block_id for entry in admit for block_id in entry.revived_block_ids}
+        num_new = plan.num_new_blocks + len(revived) + sum(entry.num_new_blocks for entry in admit)
+        fits = num_new <= plan.num_free_blocks + plan.num_released_blocks
+        return dataclasses.replace(plan, num_new_blocks=num_new, fits=fits)
 
-    def can_reserve(self, requests: Requests) -> bool:
-        """Whether ``reserve(requests)`` would succeed now."""
-        return self.plan(requests).fits
+    def can_reserve(self, requests: Requests, *, admit: Sequence[AdmissionPlan] = ()) -> bool:
+        """Whether ``reserve(requests)`` would succeed now (after admitting ``admit``, see ``plan``)."""
+        return self.plan(requests, admit=admit).fits
 
     # --------------------------------------------------------------- commands
 
@@ -265,7 +306,7 @@ class KVCacheManager:
         seq_id: Hashable,
         prompt: Sequence[int] | None = None,
         *,
-        extra_keys: Mapping[str, str | bytes | int] | None = None,
+        extra_keys: ExtraKeys | None = None,
         cache_blocks: bool = True,
     ) -> int:
         """Start a sequence; with prefix caching, share the cached blocks of its prompt.
@@ -277,7 +318,11 @@ class KVCacheManager:
                 the returned position on) as usual.
             extra_keys: tagged keys hashed into every block key:
                 ``{"salt": tenant, "adapter": id, "multimodal": hash}``.
-                Sequences with different extra keys never share a block.
+                Sequences with different extra keys never share a block,
+                except that ``multimodal`` may instead list items
+                ``[(hash, offset, length), ...]``: each is mixed only into the
+                blocks overlapping its placeholder tokens, so blocks before an
+                image are shared (see :mod:`pagedkv.extra_keys`).
             cache_blocks: with prefix caching, key this sequence's full blocks
                 so later prompts can share them; its reservations must then
                 give token ids. ``False`` lets it reserve by count, and its

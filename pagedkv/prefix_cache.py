@@ -25,7 +25,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import cast
 
@@ -34,6 +34,7 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.events import KVEventBuffer
+from pagedkv.extra_keys import block_tails, decode_extra_keys, encode_extra_keys, field
 
 __all__ = [
     "HASH_KEY_SIZES",
@@ -52,8 +53,6 @@ __all__ = [
 #: The parent key of block 0.
 ROOT_KEY = b"pagedkv-prefix-root-v1"
 
-#: Kinds of extra keys; each is hashed with its tag so kinds never collide.
-EXTRA_KEY_KINDS = ("salt", "adapter", "multimodal")
 
 HashFunction = Callable[[bytes], bytes]
 
@@ -92,70 +91,6 @@ def hash_function(name: str) -> HashFunction:
         ) from error
     xxh3 = xxhash.xxh3_128_digest
     return lambda data: bytes(xxh3(data))
-
-
-def _field(tag: bytes, data: bytes) -> bytes:
-    return tag + struct.pack("<Q", len(data)) + data
-
-
-def encode_extra_keys(extra_keys: Mapping[str, str | bytes | int] | None) -> bytes:
-    """Encode a sequence's extra keys as tagged, length-prefixed bytes.
-
-    Args:
-        extra_keys: ``{"salt": ..., "adapter": ..., "multimodal": ...}``; each
-            value a str, bytes or int.
-
-    Raises:
-        ConfigError: an unknown kind.
-        InputTypeError: a value of another type.
-
-    >>> encode_extra_keys({"salt": "a"}) != encode_extra_keys({"adapter": "a"})
-    True
-    """
-    if not extra_keys:
-        return b""
-    parts = []
-    for kind in sorted(extra_keys):
-        if kind not in EXTRA_KEY_KINDS:
-            raise ConfigError(f"extra key kind must be one of {EXTRA_KEY_KINDS}, got {kind!r}")
-        value = extra_keys[kind]
-        if isinstance(value, bool) or not isinstance(value, (str, bytes, int)):
-            raise InputTypeError(f"extra key {kind!r} must be str, bytes or int, got {value!r}")
-        if isinstance(value, str):
-            data = b"s" + value.encode("utf-8")
-        elif isinstance(value, bytes):
-            data = b"b" + value
-        else:
-            data = b"i" + str(value).encode("ascii")
-        parts.append(_field(b"X", _field(b"K", kind.encode("ascii")) + _field(b"V", data)))
-    return b"".join(parts)
-
-
-def decode_extra_keys(encoded: bytes) -> dict[str, str | bytes | int]:
-    """The extra keys that ``encode_extra_keys`` encoded (its inverse).
-
-    >>> decode_extra_keys(encode_extra_keys({"adapter": 7, "salt": "t"}))
-    {'adapter': 7, 'salt': 't'}
-    """
-    decoded: dict[str, str | bytes | int] = {}
-    at = 0
-
-    def field(tag: bytes) -> bytes:
-        nonlocal at
-        if encoded[at : at + 1] != tag:
-            raise ValueError(f"extra keys: expected field {tag!r} at byte {at}")
-        (size,) = struct.unpack_from("<Q", encoded, at + 1)
-        at += 9 + size
-        return encoded[at - size : at]
-
-    while at < len(encoded):
-        outer = field(b"X")
-        at -= len(outer)  # read the outer field's body in place: a kind field, then a value field
-        kind = field(b"K").decode("ascii")
-        data = field(b"V")
-        tag, body = data[:1], data[1:]
-        decoded[kind] = body.decode("utf-8") if tag == b"s" else body if tag == b"b" else int(body)
-    return decoded
 
 
 def pack_token_ids(value: object, what: str) -> tuple[list[int], bytes]:
@@ -239,7 +174,10 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     except (TypeError, OverflowError) as error:
         raise InputTypeError(f"token ids must be ints in int64 range: {error}") from error
     if packed and min(packed) < 0:
-        raise InputTypeError(f"token ids must be non-negative, got {min(packed)}")
+        raise InputTypeError(
+            f"token ids must be in 0 .. 2**63 - 1, got {min(packed)}: a negative id is no token "
+            "(mark an image's placeholder tokens with extra_keys, not with negative ids)"
+        )
     return packed.tobytes()
 
 
@@ -249,17 +187,23 @@ def block_keys(
     block_size: int,
     extras: bytes,
     hasher: HashFunction,
+    first_block: int = 0,
 ) -> list[bytes]:
     """Chained keys of every full block in ``tokens`` (int64 bytes), after ``parent``.
 
-    Each key hashes ``_field(b"P", parent) + _field(b"T", block's tokens) + extras``.
+    Each key hashes ``field(b"P", parent) + field(b"T", block's tokens) + tail``,
+    where the tail is the extra keys that block mixes in (see
+    :func:`~pagedkv.extra_keys.block_tails`); ``first_block`` is the logical
+    index of ``tokens``' first block.
     """
     keys = []
     step = 8 * block_size
     token_tag = b"T" + struct.pack("<Q", step)
-    tail = extras
-    for start in range(0, len(tokens) - step + 1, step):
-        parent = hasher(b"".join((_field(b"P", parent), token_tag, tokens[start : start + step], tail)))
+    num_blocks = len(tokens) // step
+    tails = block_tails(extras, first_block, num_blocks, block_size)
+    for i, start in enumerate(range(0, num_blocks * step, step)):
+        tail = tails if isinstance(tails, bytes) else tails[i]
+        parent = hasher(b"".join((field(b"P", parent), token_tag, tokens[start : start + step], tail)))
         keys.append(parent)
     return keys
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
+from pagedkv.counts import ceil_div
 from pagedkv.errors import SequenceStateError
 from pagedkv.events import KVEventBuffer
 from pagedkv.manager_config import ManagerConfig
@@ -69,6 +70,8 @@ class PrefixSharing:
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator)
         self.cache.events = events
+        # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
+        self._memo: tuple[bytes, bytes, list[bytes]] | None = None
 
     @classmethod
     def for_manager(cls, pool: KVPool, config: ManagerConfig) -> PrefixSharing:
@@ -97,8 +100,70 @@ class PrefixSharing:
             )
         self.cache.reset()
 
+    def prompt_keys(self, known: list[bytes], tokens: bytes, num_usable: int, extras: bytes) -> list[bytes]:
+        """Keys of the first ``num_usable`` full blocks of ``tokens``; ``known`` leading keys are reused.
+
+        The last lookup's keys are remembered (one entry), so ``lookup`` then
+        ``add_sequence`` of the same prompt hashes each block once.
+        """
+        keys = known[:num_usable]
+        if len(keys) >= num_usable:
+            return keys
+        bs = self._block_size
+        step = 8 * bs
+        memo = self._memo
+        if (
+            memo is not None and not keys and memo[0] == extras and len(memo[2]) >= num_usable
+            and tokens[: step * num_usable] == memo[1][: step * num_usable]
+        ):
+            return memo[2][:num_usable]
+        parent = keys[-1] if keys else ROOT_KEY
+        keys += block_keys(
+            parent, tokens[step * len(keys) : step * num_usable], bs, extras, self._hasher, len(keys)
+        )
+        if not known:
+            self._memo = (extras, tokens[: step * num_usable], keys)
+        return keys
+
+    def find_hit(self, keys: list[bytes]) -> tuple[int, int, list[int]]:
+        """Where a prompt with block ``keys`` would start: ``(hit blocks, window start, held ids)``.
+
+        Without a window the hit is the longest run of cached keys from the
+        first. With a window ``W`` a prompt of ``n`` blocks needs only what its
+        next token attends to: the sink blocks and the blocks from its window
+        start on (vLLM's sliding-window rule); the largest such ``n`` wins, and
+        the blocks before the window need not be cached at all::
+
+            block_size 2, W 3, keys k0 k1 k2 k3, cached: _ _ k2 k3  (k0, k1 evicted)
+            n = 4: the next token (index 8) attends 6..8: block 3 only -> hit 4 blocks
+
+        Changes nothing.
+        """
+        bs, sinks, window = self._block_size, self._num_sink_tokens, self._window
+        found = [self.cache.block_for(key) for key in keys]
+        # run[i]: how many cached blocks end at block i, consecutively.
+        run, length = [], 0
+        for block_id in found:
+            length = length + 1 if block_id is not None else 0
+            run.append(length)
+        lead = next((i for i, block_id in enumerate(found) if block_id is None), len(found))
+        num_sink_blocks = ceil_div(sinks, bs)
+        candidates = [lead] if window is None else range(len(found), 0, -1)
+        for num_hit in candidates:
+            if not num_hit:
+                break
+            num_tokens = num_hit * bs
+            window_start = sinks if window is None else max(sinks, num_tokens + 1 - window)
+            window_start = min(window_start, num_tokens)
+            num_sinks = min(num_sink_blocks, num_hit)
+            first = max(num_sinks, window_start // bs)
+            if lead >= num_sinks and (first >= num_hit or run[num_hit - 1] >= num_hit - first):
+                held = [*found[:num_sinks], *found[first:num_hit]]
+                return num_hit, window_start, held  # type: ignore[return-value]  # all cached: ints
+        return 0, sinks, []
+
     def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
-        """Share the longest cached run of ``token_ids``' full blocks into ``record``; return its tokens.
+        """Share the cached blocks a prompt of ``token_ids`` starts from into ``record``; return its tokens.
 
         ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
         Keys ``record`` already has (``block_keys``, then ``prompt_keys``: a
@@ -107,39 +172,26 @@ class PrefixSharing:
         other usable block is hashed here, once: the keys past the hit stay
         in ``record.prompt_keys`` until their blocks are written.
 
-        NOTE: with a sliding window the whole chain is looked up (a key proves
-        its entire prefix), but only the hit blocks the next token's window
-        reaches, and the sink blocks, are shared: blocks that slid out of the
-        window are not needed and stay free for others.
+        NOTE: the whole chain is computed (a key proves its entire prefix),
+        but with a sliding window only the sink blocks and the blocks the next
+        token's window reaches are shared (see ``find_hit``): blocks that slid
+        out of the window are not needed and stay free for others.
         """
         bs = self._block_size
         num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
         known = record.block_keys + record.prompt_keys
-        keys = known[:num_usable]
-        if len(keys) < num_usable:
-            parent = keys[-1] if keys else ROOT_KEY
-            step = 8 * bs
-            keys += block_keys(
-                parent, tokens[step * len(keys) : step * num_usable], bs, record.extras, self._hasher
-            )
+        keys = self.prompt_keys(known, tokens, num_usable, record.extras)
         reference = tokens if len(tokens) >= len(record.prompt_tokens) else (
             tokens + record.prompt_tokens[len(tokens) :]
         )
         chain = keys if len(keys) >= len(known) else known
-        hit = self.cache.longest_prefix(keys)
-        record.block_keys = keys[: len(hit)]
-        record.prompt_keys = chain[len(hit) :]
+        num_blocks, window_start, held = self.find_hit(keys)
+        record.block_keys = keys[:num_blocks]
+        record.prompt_keys = chain[num_blocks:]
         record.prompt_tokens = reference if record.prompt_keys else b""
-        if not hit:
+        if not num_blocks:
             return 0
-        num_hit = len(hit) * bs
-        window_start = self._num_sink_tokens
-        if self._window is not None:
-            window_start = max(window_start, num_hit + 1 - self._window)
-        window_start = min(window_start, num_hit)
-        num_sink_blocks = min(record.table.num_sink_blocks, len(hit))
-        first = max(num_sink_blocks, window_start // bs)
-        held = hit[:num_sink_blocks] + hit[first:]
+        num_hit = num_blocks * bs
         allocator = self._allocator
         for block_id in held:
             if allocator.ref_count(block_id) == 0:
@@ -174,7 +226,7 @@ class PrefixSharing:
         if num_ready < num_full:
             parent = new_keys[-1] if new_keys else record.block_keys[-1] if record.block_keys else ROOT_KEY
             tokens = token_bytes(record.token_ids[num_ready * bs : num_full * bs])
-            new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher)
+            new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher, num_ready)
         record.block_keys.extend(new_keys)
         self._register(record, range(first, num_full))
 

@@ -557,13 +557,34 @@ def test_a_recompute_preempted_sequence_reuses_its_own_cached_blocks() -> None:
     assert all(np.array_equal(x, y) for x, y in zip(out, scratch.feed({"a": [5]})))
 
 
-def test_admission_stops_at_a_middle_block_evicted_from_the_chain() -> None:
+def test_admission_stops_at_a_middle_block_missing_from_the_chain() -> None:
+    # No window: a prompt needs every block from the first, so a gap in the
+    # chain ends the hit even though later keys are still cached.
+    runner = Runner(make(num_blocks=6))
+    manager = runner.manager
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    runner.add("a", prompt)
+    runner.feed({"a": prompt})
+    manager.free("a")
+    keys = key_chain(prompt)
+    cache = prefix_of(manager)
+    cache.forget(cache.block_for(keys[1]))  # the middle block loses its key
+    assert [cache.block_for(key) is not None for key in keys] == [True, False, True]
+    assert runner.add("b", [*prompt, 8]) == 2
+    outs = runner.feed({"b": [3, 4, 5, 6, 7, 8]})
+    expected = from_scratch([*prompt, 8], [2, 6])
+    assert all(np.array_equal(x, y) for x, y in zip(outs, expected))
+
+
+def test_a_windowed_admission_needs_only_the_blocks_its_window_reaches() -> None:
     # block_size 2, sinks 2 (block 0 pinned), window 2, 6 blocks. After a's
     # prompt the window has let go of b1 (cached free, still keyed):
     #   a: b0 |1 2| (sink)  b1 |3 4| (released)  b2 |5 6|  b3 |7 .|
     #   keys k0 -> b0, k1 -> b1, k2 -> b2     free [4, 5]   cached free [1]
     # fill takes b4, b5, then evicts b1: k1 is gone while k0 and k2 stay.
-    # b's prompt |1 2|3 4|5 6|7 8 may use only k0: the lookup stops at the gap.
+    # b's prompt |1 2|3 4|5 6|7 8: its next token (index 6) attends to 5..6
+    # and the sinks, so k0 and k2 are enough (vLLM's sliding-window rule):
+    # 6 tokens hit, where a whole-chain rule would stop at the gap (2).
     runner = Runner(make(num_blocks=6, max_size=2, num_sink_tokens=2))
     manager = runner.manager
     prompt = [1, 2, 3, 4, 5, 6, 7]
@@ -575,9 +596,10 @@ def test_admission_stops_at_a_middle_block_evicted_from_the_chain() -> None:
     keys = key_chain(prompt)
     assert [prefix_of(manager).block_for(key) for key in keys] == [0, None, 2]
     manager.free("fill")
-    assert runner.add("b", [*prompt, 8]) == 2
-    outs = runner.feed({"b": [3, 4, 5, 6, 7, 8]})
-    expected = from_scratch([*prompt, 8], [2, 6], max_size=2, num_sink_tokens=2)
+    assert runner.add("b", [*prompt, 8]) == 6
+    assert manager.block_table("b").block_ids == [0, 2]
+    outs = runner.feed({"b": [7, 8]})
+    expected = from_scratch([*prompt, 8], [6, 2], max_size=2, num_sink_tokens=2)
     assert all(np.array_equal(x, y) for x, y in zip(outs, expected))
 
 

@@ -195,14 +195,19 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     def expected_hit(self, tokens: list[int], extra_keys: Mapping[str, str] | None) -> int:
         """Leading tokens the cache should report for ``tokens`` now (looked up before the call)."""
-        num_usable = (len(tokens) - 1) // self.block_size
+        bs = self.block_size
+        num_usable = (len(tokens) - 1) // bs
         prefix = prefix_of(self.manager)
-        num_hit = 0
-        for key in key_chain(tokens, self.block_size, extra_keys)[:num_usable]:
-            if prefix.block_for(key) is None:
-                break
-            num_hit += 1
-        return num_hit * self.block_size
+        cached = [prefix.block_for(key) is not None for key in key_chain(tokens, bs, extra_keys)[:num_usable]]
+        # The most blocks n such that every token the next one (index n * bs) attends to
+        # is in a cached block: the sinks, and the window (every token without one).
+        for n in range(num_usable, 0, -1):
+            attended = set(range(min(self.num_sink_tokens, n * bs)))
+            start = 0 if self.window is None else max(0, n * bs + 1 - self.window)
+            attended.update(range(start, n * bs))
+            if all(cached[i // bs] for i in attended):
+                return n * bs
+        return 0
 
     def check_shared_keys(self, seq_id: Hashable) -> None:
         """Every held full block of ``seq_id`` that has a key has *its* key (salt included)."""
@@ -230,6 +235,37 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         return True
 
     # -------------------------------------------------------------- rules
+
+    @rule(target=seqs, data=st.data())
+    def look_then_add(self, data: st.DataObject) -> Any:
+        """``lookup`` changes nothing and predicts what ``add_sequence`` and one prefill reserve take."""
+        prompt = self.draw_prompt(data)
+        extra_keys = data.draw(st.sampled_from(EXTRA_KEYS))
+        manager = self.manager
+        before = manager_state(manager)
+        plan = manager.lookup(prompt, extra_keys=extra_keys)
+        assert manager_state(manager) == before, "lookup changed the manager"
+        assert plan.num_cached_tokens == self.expected_hit(prompt, extra_keys)
+        free = manager.pool.num_free_blocks
+        assert plan.num_free_blocks == free and plan.fits == (plan.num_blocks_taken <= free)
+        assert manager.can_reserve({}, admit=[plan]) == plan.fits
+        seq_id = self.new_id()
+        cached_free = set(manager.pool.allocator.cached_free_block_ids())
+        assert manager.add_sequence(seq_id, prompt, extra_keys=extra_keys) == plan.num_cached_tokens
+        assert manager.block_table(seq_id).num_blocks == plan.num_shared_blocks
+        revived = cached_free - set(manager.pool.allocator.cached_free_block_ids())
+        assert revived == set(plan.revived_block_ids)
+        self.tokens[seq_id] = list(prompt[: plan.num_cached_tokens])
+        self.extras[seq_id] = extra_keys
+        rest = list(prompt[plan.num_cached_tokens :])
+        if not plan.fits:
+            assert not manager.can_reserve({seq_id: rest})
+            self.drop(seq_id)
+            return multiple()
+        free = manager.pool.num_free_blocks
+        self.run_step({seq_id: rest})
+        assert free - manager.pool.num_free_blocks == plan.num_new_blocks
+        return seq_id
 
     @rule(target=seqs, data=st.data())
     def add(self, data: st.DataObject) -> Any:
@@ -581,7 +617,9 @@ def test_machine_catches_unchained_keys() -> None:
     share k/v a from-scratch run would not compute. Whichever check sees it first (most often
     ``every_key_names_its_contents``, which recomputes keys), it fails as an AssertionError."""
 
-    def unchained(parent: bytes, tokens: bytes, block_size: int, extras: bytes, hasher: Any) -> list[bytes]:
+    def unchained(
+        parent: bytes, tokens: bytes, block_size: int, extras: bytes, hasher: Any, first_block: int = 0
+    ) -> list[bytes]:
         step = 8 * block_size  # int64 token ids
         return [
             block_keys(ROOT_KEY, tokens[i : i + step], block_size, extras, hasher)[0]
