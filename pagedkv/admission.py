@@ -64,6 +64,7 @@ def admit(
         counters["prefix_queries"] += len(token_ids)
         num_hit = sharing.share_cached_prefix(record, token_ids, tokens)
         counters["prefix_hits"] += num_hit
+        sharing.stats.record(len(token_ids), num_hit)
     if not cache_blocks:
         record.stop_keying()
     return num_hit

@@ -31,23 +31,22 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.admission import AdmissionPlan, admit, plan_admission
+from pagedkv.admission import AdmissionPlan, admit
 from pagedkv.batch import Batch
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
 from pagedkv.errors import (
-    ConfigError,
     SequenceStateError,
 )
-from pagedkv.events import KVEvent, KVEventBuffer
 from pagedkv.extra_keys import ExtraKeys
 from pagedkv.inputs import check_scale, like_input
 from pagedkv.locking import locked, release_manager
 from pagedkv.manager_config import configure
-from pagedkv.metrics import COUNTERS, ManagerMetrics, collect_metrics
+from pagedkv.manager_prefix import PrefixCachingCommands
+from pagedkv.manager_reports import ManagerReports
+from pagedkv.metrics import COUNTERS
 from pagedkv.pool import KVPool
 from pagedkv.preemption import preempt_record, release_record, resume_record
-from pagedkv.prefix_cache import PrefixCache
 from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.reservation import Requests, ReservationPlan, plan_requests
 from pagedkv.reservation_commit import reserve_one, reserve_requests
@@ -65,7 +64,7 @@ from pagedkv.swap import check_host_pool
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCachingCommands, ManagerReports):
     """Block tables for many sequences over one :class:`~pagedkv.KVPool`.
 
     Threads: independent sequences may be driven from different threads (every
@@ -180,33 +179,6 @@ class KVCacheManager:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether this manager runs prefix caching (``enable_prefix_caching``)."""
-        return self._sharing is not None
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The key -> block map of prefix caching (read it; do not change it), or None when off."""
-        return self._sharing.cache if self._sharing is not None else None
-
-    @property
-    def kv_events(self) -> KVEventBuffer | None:
-        """The KV event buffer (read its counts; take events with ``drain_kv_events``), or None when off."""
-        return self._sharing.cache.events if self._sharing is not None else None
-
-    @locked
-    def drain_kv_events(self) -> list[KVEvent]:
-        """The KV events recorded since the last drain, oldest first (see :mod:`pagedkv.events`).
-
-        Raises:
-            ConfigError: events are off (``kv_events=False``).
-        """
-        events = self.kv_events
-        if events is None:
-            raise ConfigError("KV events are off: pass enable_prefix_caching=True, kv_events=True")
-        return events.drain()
-
     def state(self, seq_id: Hashable) -> SequenceState:
         """Where ``seq_id``'s blocks are."""
         return self._get(seq_id).state
@@ -245,29 +217,6 @@ class KVCacheManager:
         if not num_new_tokens or self.max_size is None:
             return table.window_start
         return max(table.window_start, min(table.num_tokens + 1 - self.max_size, table.num_tokens))
-
-    @locked
-    def lookup(
-        self, prompt: Sequence[int], *, extra_keys: ExtraKeys | None = None
-    ) -> AdmissionPlan:
-        """What admitting ``prompt`` would find cached and take, changing nothing.
-
-        ``add_sequence(seq_id, prompt, extra_keys=...)`` then returns exactly
-        ``num_cached_tokens``, and it with one ``reserve`` of the rest of the
-        prompt takes exactly ``num_blocks_taken`` blocks, if nothing happens
-        in between. The keys computed here are kept for that ``add_sequence``
-        (each block is still hashed once).
-
-        >>> from pagedkv import KVPool, KVCacheManager
-        >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), enable_prefix_caching=True)
-        >>> plan = manager.lookup([1, 2, 3, 4, 5])
-        >>> plan.num_cached_tokens, plan.num_new_blocks, plan.fits
-        (0, 3, True)
-
-        Raises:
-            InputTypeError, ConfigError: a bad token id or extra key.
-        """
-        return plan_admission(self._sharing, self.pool.allocator, prompt, extra_keys, self.pool.block_size)
 
     def plan(self, requests: Requests, *, admit: Sequence[AdmissionPlan] = ()) -> ReservationPlan:
         """What ``reserve(requests)`` would take and free, without doing it.
@@ -342,18 +291,6 @@ class KVCacheManager:
             block_size=self.pool.block_size, num_sink_tokens=self.num_sink_tokens,
             num_layers=self.pool.num_layers,
         )
-
-    @locked
-    def reset_prefix_cache(self) -> None:
-        """Drop every block key; refused while any block is in use.
-
-        Raises:
-            ConfigError: prefix caching is off.
-            SequenceStateError: blocks are in use (free every sequence first).
-        """
-        if self._sharing is None:
-            raise ConfigError("prefix caching is off for this manager")
-        self._sharing.reset(self.pool.num_used_blocks)
 
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
@@ -570,64 +507,6 @@ class KVCacheManager:
             PoolExhaustedError: (swapped) not enough free device blocks; nothing changes.
         """
         return resume_record(self._get(seq_id), self.pool, self.host_pool, self._sharing, self._counters)
-
-    # -------------------------------------------------------------- reporting
-
-    @locked
-    def metrics(self) -> ManagerMetrics:
-        """A snapshot of usage, occupancy, fragmentation and event counts."""
-        cache = self._sharing.cache if self._sharing is not None else None
-        return collect_metrics(
-            self.pool,
-            self.host_pool,
-            [record.state for record in self._seqs.values()],
-            [record.table for record in self._seqs.values() if record.state is SequenceState.RUNNING],
-            self._counters,
-            num_cached_blocks=cache.num_cached_blocks if cache else 0,
-            num_prefix_evictions=cache.num_evictions if cache else 0,
-        )
-
-    @locked
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
-        self.pool.check_invariants()
-        if self.host_pool is not None:
-            self.host_pool.check_invariants()
-        if self._sharing is not None:
-            self._sharing.cache.check_invariants()
-        self._seqs.check_invariants(keyed=self._sharing is not None, has_host_pool=self.host_pool is not None)
-
-    # ------------------------------------------------------- internal hooks
-
-    def _export_state(self) -> ManagerState:
-        """Everything of this manager that its configuration and pools do not say (copies).
-
-        With ``_restore_state`` this is the manager's internal hook for
-        :mod:`pagedkv.snapshot`; no other module reads its private fields.
-        """
-        cache = self._sharing.cache if self._sharing is not None else None
-        keys, num_evictions = cache._export_state() if cache is not None else ([], 0)
-        return ManagerState(
-            max_abs_key=list(self._max_abs_key),
-            counters=dict(self._counters),
-            records=[record.export_state() for record in self._seqs.values()],
-            prefix_keys=keys,
-            num_prefix_evictions=num_evictions,
-        )
-
-    def _restore_state(self, state: ManagerState) -> None:
-        """Take ``state`` into this new, empty manager whose pools' allocators are already restored.
-
-        The caller (a snapshot load) has validated ``state`` against the pools.
-        """
-        if self._sharing is not None:
-            self._sharing.cache._restore_state(state.prefix_keys, state.num_prefix_evictions)
-        self._max_abs_key = list(state.max_abs_key)
-        self._counters.update(state.counters)
-        bs = self.pool.block_size
-        for record_state in state.records:
-            record = SequenceRecord.from_state(record_state, bs, self.num_sink_tokens)
-            self._seqs[record.seq_id] = record
 
     # ---------------------------------------------------------------- private
 

@@ -28,6 +28,7 @@ from pagedkv.prefix_cache import (
     hash_function,
     token_bytes,
 )
+from pagedkv.prefix_stats import HitWindow
 from pagedkv.sequence import SequenceRecord
 
 __all__ = ["PrefixSharing"]
@@ -70,6 +71,8 @@ class PrefixSharing:
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator)
         self.cache.events = events
+        #: Hit rates, cumulative and over the most recent requests.
+        self.stats = HitWindow()
         # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
         self._memo: tuple[bytes, bytes, list[bytes]] | None = None
 

@@ -1,0 +1,103 @@
+"""Prefix-cache hit rates: since the start (or the last reset), and over the most recent requests.
+
+vLLM reports both: the cumulative rate says how the cache has done, the
+recent one how it does now (after a workload shift the cumulative rate lags
+for a long time). A *request* here is one ``add_sequence`` with a prompt; its
+queries are the prompt's tokens and its hits the tokens found cached.
+
+>>> window = HitWindow(max_requests=2)
+>>> for queries, hits in [(10, 0), (10, 10), (10, 5)]:
+...     window.record(queries, hits)
+>>> stats = window.stats()
+>>> stats.hit_rate, stats.recent_hit_rate, stats.num_recent_requests
+(0.5, 0.75, 2)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedkv.counts import check_count
+
+__all__ = ["RECENT_REQUESTS", "HitWindow", "PrefixStats"]
+
+#: Requests the recent hit rate covers by default (vLLM's ``max_recent_requests``).
+RECENT_REQUESTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStats:
+    """Prefix-cache lookups of one manager.
+
+    Attributes:
+        num_requests: prompts looked up since the start or the last reset.
+        num_queries: their tokens.
+        num_hits: their tokens found cached.
+        hit_rate: ``num_hits / num_queries`` (0.0 with no query).
+        num_recent_requests: the most recent requests counted below (at most the window).
+        recent_hit_rate: the hit rate over those.
+    """
+
+    num_requests: int
+    num_queries: int
+    num_hits: int
+    hit_rate: float
+    num_recent_requests: int
+    recent_hit_rate: float
+
+
+class HitWindow:
+    """Hit counts, cumulative and over the last ``max_requests`` requests.
+
+    Invariants:
+        * the window holds at most ``max_requests`` entries;
+        * its sums equal the sums of its entries, and never exceed the cumulative ones.
+    """
+
+    def __init__(self, max_requests: int = RECENT_REQUESTS) -> None:
+        self.max_requests = check_count("max_requests", max_requests)
+        self._recent: deque[tuple[int, int]] = deque()
+        self._recent_queries = self._recent_hits = 0
+        self._requests = self._queries = self._hits = 0
+
+    def record(self, num_queries: int, num_hits: int) -> None:
+        """Count one request of ``num_queries`` tokens, ``num_hits`` of them cached."""
+        self._requests += 1
+        self._queries += num_queries
+        self._hits += num_hits
+        recent = self._recent
+        if len(recent) == self.max_requests:
+            old_queries, old_hits = recent.popleft()
+            self._recent_queries -= old_queries
+            self._recent_hits -= old_hits
+        recent.append((num_queries, num_hits))
+        self._recent_queries += num_queries
+        self._recent_hits += num_hits
+
+    def reset(self) -> None:
+        """Forget every count."""
+        self._recent.clear()
+        self._recent_queries = self._recent_hits = 0
+        self._requests = self._queries = self._hits = 0
+
+    def stats(self) -> PrefixStats:
+        """The counts and rates now."""
+        return PrefixStats(
+            num_requests=self._requests,
+            num_queries=self._queries,
+            num_hits=self._hits,
+            hit_rate=self._hits / self._queries if self._queries else 0.0,
+            num_recent_requests=len(self._recent),
+            recent_hit_rate=self._recent_hits / self._recent_queries if self._recent_queries else 0.0,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        recent = self._recent
+        if len(recent) > self.max_requests:
+            raise AssertionError(f"{len(recent)} recent requests, window {self.max_requests}")
+        if (self._recent_queries, self._recent_hits) != tuple(map(sum, zip(*recent))) and recent:
+            raise AssertionError("the window's sums disagree with its entries")
+        if self._recent_queries > self._queries or self._recent_hits > self._hits:
+            raise AssertionError("recent counts exceed the cumulative ones")
