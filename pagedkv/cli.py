@@ -96,6 +96,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _float(text, "a finite number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     """An argparse type: a number in ``[0, 1)``."""
     value = _float(text, "a number in [0, 1)")
@@ -141,7 +149,8 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
     work.add_argument(
         "--workload",
         default=defaults["workload"],
-        help="sharegpt (mean 161 prompt / 338 output tokens), alpaca (19 / 58), or a .jsonl file "
+        help="sharegpt (mean 161 prompt / 338 output tokens), alpaca (19 / 58), chat (multi-turn "
+        "conversations under --prefix-groups system prompts of --prefix-len tokens), or a .jsonl file "
         "of requests (schema: pagedkv.simulate.workload) (default %(default)s)",
     )
     work.add_argument(
@@ -171,6 +180,10 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
     work.add_argument(
         "--arrival-rate", type=positive_float, default=None,
         help="requests arriving per step, Poisson (default: all at step 0)",
+    )
+    work.add_argument(
+        "--request-rate", type=positive_float, default=None,
+        help="requests arriving per model second, Poisson, timed by the cost model (default: none)",
     )
     work.add_argument(
         "--max-model-len", type=positive_int, default=defaults.get("max_model_len", 2048),
@@ -203,16 +216,44 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
         "--max-num-seqs", type=positive_int, default=None, help="at most this many running sequences"
     )
     memory.add_argument(
-        "--watermark", type=fraction, default=0.01,
-        help="share of blocks admission keeps free, as vLLM v0 (default 0.01)",
+        "--scheduler", default="greedy",
+        help="the paged policy's scheduler: greedy, watermark, swap, vllm-v1, reserve-growth "
+        "(pagedkv.simulate.scheduler; default greedy)",
+    )
+    memory.add_argument(
+        "--watermark", type=fraction, default=None,
+        help="share of blocks admission keeps free, as vLLM v0 (default: the scheduler's, 0.01 for greedy)",
+    )
+    memory.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=None,
+        help="a token budget per step (default: the scheduler's; vllm-v1 2048)",
+    )
+    memory.add_argument(
+        "--swap-space", default="4GiB", help="host memory for swap preemption (default 4GiB)"
     )
     model = parser.add_argument_group(
-        "modeled model (bytes per token = layers x kv heads x head_dim x 2 x bytes)"
+        "modeled model (bytes per token = layers x kv heads x head_dim x 2 x bytes) and its step-time "
+        "cost (docs/tutorial.md, pagedkv.simulate.cost)"
     )
-    model.add_argument("--num-layers", type=positive_int, default=40, help="default 40 (OPT-13B)")
-    model.add_argument("--num-kv-heads", type=positive_int, default=40, help="default 40")
-    model.add_argument("--head-dim", type=positive_int, default=128, help="default 128")
-    model.add_argument("--dtype-bytes", type=positive_int, default=2, help="default 2 (fp16)")
+    model.add_argument(
+        "--cost-model", default="opt-13b-a100",
+        help="preset: opt-13b-a100 (OPT-13B on one A100 40GB), llama-3-8b-h100 (default %(default)s)",
+    )
+    model.add_argument("--num-layers", type=positive_int, default=None, help="default: the preset's (40)")
+    model.add_argument("--num-kv-heads", type=positive_int, default=None, help="default: the preset's (40)")
+    model.add_argument("--head-dim", type=positive_int, default=None, help="default: the preset's (128)")
+    model.add_argument("--dtype-bytes", type=positive_int, default=None, help="default: the preset's (2)")
+    model.add_argument("--num-params", type=positive_float, default=None, help="model parameters")
+    model.add_argument(
+        "--memory-bandwidth", type=positive_float, default=None, help="device memory, bytes per second"
+    )
+    model.add_argument("--peak-flops", type=positive_float, default=None, help="FLOP per second")
+    model.add_argument(
+        "--step-overhead", type=non_negative_float, default=None, help="fixed seconds per step"
+    )
+    model.add_argument(
+        "--host-bandwidth", type=positive_float, default=None, help="swap copies, bytes per second"
+    )
     run = parser.add_argument_group("run")
     run.add_argument(
         "--sample-every", type=positive_int, default=10,
@@ -226,6 +267,7 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="a progress bar on stderr (default: when stderr is a terminal)",
     )
+    run.add_argument("--quiet", action="store_true", help="no progress bar (same as --no-progress)")
 
 
 def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -244,8 +286,34 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     out = simulate.add_argument_group("output")
     out.add_argument(
         "--policies", default="paged,contiguous",
-        help="comma-separated: paged, contiguous (reserve max length), contiguous-pow2, "
-        "contiguous-oracle, or all (default %(default)s)",
+        help="comma-separated: paged, paged:SCHEDULER (e.g. paged:vllm-v1), contiguous (reserve max "
+        "length), contiguous-pow2, contiguous-oracle; all (the four policies), schedulers (paged under "
+        "every scheduler) (default %(default)s)",
+    )
+    out.add_argument(
+        "--rates", default=None,
+        help="sweep request rates (requests per model second, e.g. 0.5,1,2 or 'default') for every "
+        "policy; print normalised latency against rate (synthetic workloads)",
+    )
+    out.add_argument(
+        "--slo", type=positive_float, default=0.1,
+        help="with --rates: the normalised latency (s per output token) a sustained rate stays within "
+        "(default 0.1)",
+    )
+    out.add_argument(
+        "--replicas", type=positive_int, default=1,
+        help="serve on this many replicas (each its own manager) behind each of --routers (default 1)",
+    )
+    out.add_argument(
+        "--routers", default="round-robin,least-loaded,prefix-aware",
+        help="with --replicas: round-robin, least-loaded, prefix-aware (by KV events) (default %(default)s)",
+    )
+    out.add_argument(
+        "--turns", type=positive_int, default=4, help="--workload chat: turns per conversation (default 4)"
+    )
+    out.add_argument(
+        "--think-time", type=non_negative_float, default=20.0,
+        help="--workload chat: model seconds between a conversation's turns (default 20)",
     )
     out.add_argument("--sweep", action="store_true", help="sweep block sizes and windows; print a table")
     out.add_argument(
@@ -281,7 +349,8 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     pics.add_argument("--width", type=positive_int, default=64, help="blocks per text row (default 64)")
     pics.add_argument(
         "--png", default=None,
-        help="write PNGs instead: pagemap, occupancy, sweep (comma-separated) or all; needs pagedkv[plot]",
+        help="write PNGs instead: pagemap, occupancy, sweep, latency (against request rate), schedulers, "
+        "routers (comma-separated) or all; the last three use fixed settings; needs pagedkv[plot]",
     )
     pics.add_argument(
         "--out", type=output_folder, default=".", help="folder for PNGs (default: the current one)"

@@ -42,7 +42,9 @@ from collections import deque
 from collections.abc import Callable
 
 from pagedkv.errors import ConfigError
+from pagedkv.simulate.clock import Clock
 from pagedkv.simulate.config import Budget
+from pagedkv.simulate.cost import CostModel
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.result import Accumulator, PolicyResult
 from pagedkv.simulate.workload import Arrivals, Request, Workload
@@ -109,11 +111,14 @@ class FirstFit:
 
 
 class _Slabs:
-    __slots__ = ("finish_step", "live_cap", "request", "starts")
+    __slots__ = ("finish_step", "first_step", "live_cap", "request", "starts")
 
-    def __init__(self, request: Request, starts: list[int], finish_step: int, live_cap: int) -> None:
+    def __init__(
+        self, request: Request, starts: list[int], first_step: int, finish_step: int, live_cap: int
+    ) -> None:
         self.request = request
         self.starts = starts
+        self.first_step = first_step
         self.finish_step = finish_step
         self.live_cap = live_cap
 
@@ -128,6 +133,7 @@ class ContiguousEngine:
         max_size: a sliding window (each slab capped at it), or None.
         max_num_seqs: at most this many sequences at once, or None.
         sample_every: record the series every this many steps (the means use every step).
+        cost: the step-time model (the OPT-13B-on-A100 preset by default).
 
     Raises:
         ConfigError: an unknown policy.
@@ -142,6 +148,7 @@ class ContiguousEngine:
         max_size: int | None = None,
         max_num_seqs: int | None = None,
         sample_every: int = 10,
+        cost: CostModel | None = None,
     ) -> None:
         if policy not in RESERVE_RULES:
             raise ConfigError(f"policy must be one of {sorted(RESERVE_RULES)}, got {policy!r}")
@@ -154,6 +161,7 @@ class ContiguousEngine:
         self.space = FirstFit(budget.num_tokens)
         self.step = -1
         self.result = PolicyResult(policy)
+        self.clock = Clock(cost if cost is not None else CostModel())
 
     def reservation(self, request: Request) -> int:
         """Slots one of ``request``'s sequences reserves."""
@@ -187,15 +195,27 @@ class ContiguousEngine:
         finish_at: dict[int, list[_Slabs]] = {}
         stop_growing_at: dict[int, int] = {}
         num_seqs = num_growing = live = reserved = final_live = 0
+        clock = self.clock
+        arrived_s: dict[int, float] = {}
         step = -1
         while arrivals.num_pending or waiting or running:
             step += 1
             self.step = step
             if arrivals.num_pending:
-                waiting.extend(arrivals.pop_arrived(step))
+                if not (waiting or running):
+                    next_s = arrivals.next_arrival_s()
+                    if next_s is not None:
+                        clock.idle_until(next_s)
+                for request in arrivals.pop_arrived(step, clock.now):
+                    arrived_s[request.request_id] = (
+                        request.arrival_s if request.arrival_s is not None else clock.now
+                    )
+                    waiting.append(request)
             # Decode: every running sequence writes one token.
             live += num_growing
             result.num_decode_tokens += num_seqs
+            num_step_tokens, num_step_context = num_seqs, live if num_seqs else 0
+            num_step_pairs = num_step_context
             # Admit FCFS while the head's slabs fit.
             while waiting:
                 request = waiting[0]
@@ -219,7 +239,7 @@ class ContiguousEngine:
                     break
                 waiting.popleft()
                 final = request.prompt_len + request.output_len
-                slabs = _Slabs(request, starts, step + request.output_len, min(final, window))
+                slabs = _Slabs(request, starts, step, step + request.output_len, min(final, window))
                 running[request.request_id] = slabs
                 finish_at.setdefault(slabs.finish_step, []).append(slabs)
                 num_seqs += n
@@ -227,6 +247,10 @@ class ContiguousEngine:
                 reserved += n * slots
                 final_live += n * slabs.live_cap
                 result.num_prefill_tokens += n * request.prompt_len
+                prompt_len = request.prompt_len
+                num_step_tokens += prompt_len  # the prompt is computed once, stored in every slab
+                num_step_context += prompt_len
+                num_step_pairs += prompt_len * (prompt_len + 1) // 2
                 if request.prompt_len < window < final:
                     # The window is full after this step; the slab stops growing.
                     stop_growing_at.setdefault(step + window - request.prompt_len, 0)
@@ -234,6 +258,7 @@ class ContiguousEngine:
                     num_growing += n
                 elif request.prompt_len < window:
                     num_growing += n
+            clock.end_step(num_step_tokens, num_step_context, num_step_pairs)
             stats.on_step(num_seqs, len(running))
             external = 0
             if waiting:
@@ -266,8 +291,14 @@ class ContiguousEngine:
                     num_growing -= n  # it was still growing when it finished
                 result.num_finished += 1
                 result.num_generated_tokens += n * request.output_len
+                clock.record(
+                    arrival_s=arrived_s.pop(request.request_id),
+                    first_step=slabs.first_step,
+                    finish_step=step,
+                    num_output_tokens=request.output_len,
+                )
             if progress is not None and step % 1024 == 0:
                 progress.update(result.num_finished + result.num_rejected, f"step {step}")
         if progress is not None:
             progress.close(result.num_finished + result.num_rejected, f"step {step}")
-        return stats.finish(time.perf_counter() - start_time, time.process_time() - cpu_start)
+        return stats.finish(time.perf_counter() - start_time, time.process_time() - cpu_start, clock)

@@ -16,11 +16,20 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from pagedkv.errors import ConfigError, PoolTooLargeError
-from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
+from pagedkv.simulate.cluster import events_available, format_cluster, run_cluster
+from pagedkv.simulate.config import BudgetError, SimConfig
 from pagedkv.simulate.engine import PagedEngine
+from pagedkv.simulate.options import (
+    build_config,
+    build_workload,
+    parse_choices,
+    parse_list,
+    parse_policies,
+    parse_rates,
+    parse_routers,
+)
 from pagedkv.simulate.pagemap import capture_page_maps, page_map_text
 from pagedkv.simulate.plots import (
     MissingExtraError,
@@ -30,9 +39,11 @@ from pagedkv.simulate.plots import (
     pyplot,
     tutorial_figures,
 )
-from pagedkv.simulate.progress import wants_progress
+from pagedkv.simulate.plots_serving import serving_figures
+from pagedkv.simulate.progress import Progress, wants_progress
+from pagedkv.simulate.ratesweep import format_rate_sweep, rate_sweep, sustained_rates
 from pagedkv.simulate.report import (
-    POLICIES,
+    describe_config,
     format_report,
     format_sweep,
     no_progress,
@@ -42,7 +53,7 @@ from pagedkv.simulate.report import (
     sweep,
 )
 from pagedkv.simulate.synthetic import DATASETS, synthetic
-from pagedkv.simulate.workload import Workload, WorkloadError, load_jsonl
+from pagedkv.simulate.workload import Workload, WorkloadError
 
 __all__ = [
     "SWEEP_BLOCK_SIZES",
@@ -57,124 +68,9 @@ __all__ = [
 #: The block sizes ``--sweep`` (and ``viz --png sweep``) tries by default.
 SWEEP_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: What ``viz --png`` can draw.
-PICTURES = ("pagemap", "occupancy", "sweep")
-
-
-def build_workload(args: argparse.Namespace) -> Workload:
-    """The workload the options name: a synthetic dataset or a JSONL file.
-
-    Raises:
-        WorkloadError: an unknown name, a bad file or line, a bad parameter.
-    """
-    name = args.workload
-    if name in DATASETS:
-        try:
-            return synthetic(
-                name,
-                args.num_requests,
-                seed=args.seed,
-                n=args.n,
-                sampling=args.sampling,
-                num_prefix_groups=args.prefix_groups,
-                prefix_len=args.prefix_len,
-                arrival_rate=args.arrival_rate,
-                max_model_len=args.max_model_len,
-            )
-        except WorkloadError as error:  # the lengths do not fit: name the flags that set them
-            flags = f"--workload {name} --max-model-len {args.max_model_len} --prefix-len {args.prefix_len}"
-            raise WorkloadError(f"{error} ({flags})") from None
-    if name.endswith(".jsonl") or "/" in name:
-        return load_jsonl(name, seed=args.seed, max_model_len=args.max_model_len)
-    raise WorkloadError(
-        f"--workload: unknown workload {name!r}; give {' or '.join(sorted(DATASETS))}, or a .jsonl file"
-    )
-
-
-def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
-    """The simulation settings and the modeled model the options describe.
-
-    Raises:
-        BudgetError: a malformed size, or a budget smaller than one block.
-        ConfigError: another setting out of range.
-    """
-    model = ModelShape(args.num_layers, args.num_kv_heads, args.head_dim, args.dtype_bytes)
-    blocks = args.blocks
-    if blocks is None and args.memory is None:
-        blocks = getattr(args, "fallback_blocks", None)
-    if blocks is not None:
-        budget = Budget.from_blocks(blocks, args.block_size)
-    else:
-        budget = Budget.from_bytes(parse_bytes(args.memory), model)
-    config = SimConfig(
-        budget,
-        block_size=args.block_size,
-        max_size=args.window,
-        enable_prefix_caching=args.prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        sample_every=args.sample_every,
-        check_every_step=args.check_invariants,
-        watermark=args.watermark,
-        seed=args.seed,
-    )
-    return config, model
-
-
-def parse_list(text: str, *, allow_none: bool = False, name: str = "list", minimum: int = 1) -> list[Any]:
-    """Parse ``"1,2,4"`` (or ``"none,256"`` with ``allow_none``) into ints (and None), repeats dropped.
-
-    Raises:
-        ConfigError: an entry is not an int >= ``minimum`` (or ``none``).
-
-    >>> parse_list("none,256,256", allow_none=True)
-    [None, 256]
-    """
-    values: list[Any] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if allow_none and part in ("none", "off"):
-            values.append(None)
-            continue
-        try:
-            value = int(part) if part.isdecimal() else -1  # not "+4", "4_0", "²" or "nan"
-        except ValueError:  # more than 4,300 digits
-            value = -1
-        if value < minimum:
-            raise ConfigError(f"{name}: {part!r} is not an int >= {minimum}")
-        values.append(value)
-    return list(dict.fromkeys(values))
-
-
-def parse_choices(text: str, choices: Sequence[str], *, name: str, what: str = "name") -> list[str]:
-    """Parse comma-separated names among ``choices`` (``all`` for every one), repeats dropped.
-
-    Args:
-        text: what the user typed, e.g. ``"paged,contiguous"``.
-        choices: the names known.
-        name: the flag, for the message.
-        what: what a name is, for the message (``"policy"``).
-
-    Raises:
-        ConfigError: an unknown (or empty) name.
-
-    >>> parse_choices("sweep,all", ("pagemap", "sweep"), name="--png")
-    ['sweep', 'pagemap']
-    """
-    names: list[str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if part not in (*choices, "all"):
-            raise ConfigError(f"{name}: unknown {what} {part!r}; expected {', '.join(choices)} or all")
-        names += choices if part == "all" else [part]
-    return list(dict.fromkeys(names))
-
-
-def parse_policies(text: str) -> list[str]:
-    """``"paged,contiguous"`` or ``"all"`` into policy names.
-
-    Raises:
-        ConfigError: an unknown policy, or none.
-    """
-    return parse_choices(text, POLICIES, name="--policies", what="policy")
+PICTURES = ("pagemap", "occupancy", "sweep", "latency", "schedulers", "routers")
+#: The pictures of the serving study (fixed settings: pagedkv.simulate.plots_serving).
+SERVING_PICTURES = ("latency", "schedulers", "routers")
 
 
 def stdout_closed() -> int:
@@ -222,9 +118,13 @@ def _simulate(args: argparse.Namespace) -> int:
         block_sizes = parse_list(args.block_sizes, name="--block-sizes")
     windows = [None] if args.windows is None else parse_list(args.windows, allow_none=True, name="--windows")
     policies = parse_policies(args.policies)
+    if args.rates is not None:
+        return _rate_sweep(args, policies)
+    if args.replicas > 1:
+        return _cluster(args)
     workload = build_workload(args)
     config, model = build_config(args)
-    progress = stderr_progress() if wants_progress(args.progress) else no_progress
+    progress = stderr_progress() if _wants_progress(args) else no_progress
     if args.sweep:
         baseline = next((p for p in policies if p != "paged"), None)
         rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
@@ -255,6 +155,91 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    if args.sweep:
+        raise ConfigError("--replicas and --sweep are two studies; give one")
+    routers = parse_routers(args.routers)
+    workload = build_workload(args)
+    config, model = build_config(args)
+    bar = Progress("routers", len(routers), unit="routers") if _wants_progress(args) else None
+    results = []
+    for name in routers:
+        if name == "prefix-aware" and not events_available():
+            print(
+                "pagedkv simulate: note: prefix-aware routing needs the manager's KV events (issue 15), "
+                "not in this build; skipped",
+                file=sys.stderr,
+            )
+            continue
+        results.append(run_cluster(workload, config, args.replicas, name))
+        if bar is not None:
+            bar.update(len(results), name)
+    if bar is not None:
+        bar.close(len(results))
+    if args.json:
+        data = {
+            "workload": workload.stats(),
+            "config": describe_config(config, model),
+            "num_replicas": args.replicas,
+            "routers": [result.as_dict() for result in results],
+        }
+        print(json.dumps(data, indent=2))
+        return 0
+    stats = workload.stats()
+    print(
+        f"cluster: {args.replicas} replicas, each {config.num_blocks:,} blocks of {config.block_size}, "
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, scheduler {config.scheduler}; "
+        f"{stats['source']}: {stats['num_requests']:,} requests\n"
+    )
+    print(format_cluster(results))
+    return 0
+
+
+def _wants_progress(args: argparse.Namespace) -> bool:
+    return not args.quiet and wants_progress(args.progress)
+
+
+def _rate_sweep(args: argparse.Namespace, policies: list[str]) -> int:
+    if args.sweep:
+        raise ConfigError("--rates and --sweep are two studies; give one")
+    if args.workload not in DATASETS:
+        raise ConfigError(f"--rates needs a synthetic workload ({' or '.join(sorted(DATASETS))})")
+    if args.request_rate is not None or args.arrival_rate is not None:
+        raise ConfigError("--rates sets the request rate itself; leave out --request-rate and --arrival-rate")
+    rates = parse_rates(args.rates, args.workload)
+    config, model = build_config(args)
+    options = {
+        "n": args.n,
+        "sampling": args.sampling,
+        "num_prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "max_model_len": args.max_model_len,
+    }
+    bar = Progress("rate sweep", len(rates) * len(policies), unit="runs") if _wants_progress(args) else None
+    points = rate_sweep(
+        args.workload, args.num_requests, config, rates, policies,
+        seed=args.seed, workload_options=options, progress=bar,
+    )  # fmt: skip
+    if args.json:
+        data = {
+            "workload": synthetic(args.workload, args.num_requests, seed=args.seed, **options).stats(),
+            "config": describe_config(config, model),
+            "slo": args.slo,
+            "rate_sweep": [point.as_dict() for point in points],
+            "sustained_rates": sustained_rates(points, args.slo),
+            "timing": [point.result.timing() for point in points],
+        }
+        print(json.dumps(data, indent=2))
+        return 0
+    print(
+        f"rate sweep: {args.workload} x {args.num_requests:,} requests per run, seed {args.seed}, Poisson "
+        f"arrivals; {config.budget.num_tokens:,} token slots of KV memory; cost model {config.cost.name}; "
+        f"paged scheduler {config.scheduler}\n"
+    )
+    print(format_rate_sweep(points, args.slo))
+    return 0
+
+
 # -------------------------------------------------------------------- viz
 
 
@@ -270,7 +255,9 @@ def run_viz(args: argparse.Namespace) -> int:
 
 def _viz(args: argparse.Namespace) -> int:
     if args.all:
-        _write_pictures(args.out, lambda: tutorial_figures(args.out))
+        _write_pictures(
+            args.out, lambda: (tutorial_figures(args.out), serving_figures(args.out, SERVING_PICTURES))
+        )
         return 0
     kinds = None if args.png is None else parse_choices(args.png, PICTURES, name="--png", what="picture")
     steps = parse_list(args.steps, name="--steps", minimum=0) if args.steps is not None else None
@@ -313,6 +300,9 @@ def _png(kinds: Sequence[str], out_dir: str, workload: Workload, config: SimConf
 
 def _plot(kinds: Sequence[str], out: Path, workload: Workload, config: SimConfig) -> None:
     for kind in kinds:
+        if kind in SERVING_PICTURES:
+            serving_figures(out, [kind])
+            continue
         if kind == "pagemap":
             page_maps, _ = capture_page_maps(workload, config)
             path = plot_page_map(page_maps, out / "pagemap.png")

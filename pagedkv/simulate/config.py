@@ -17,9 +17,11 @@ tokens a memory budget in bytes holds::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.errors import ConfigError
+from pagedkv.simulate.cost import CostModel
+from pagedkv.simulate.shape import ModelShape
 
 __all__ = ["Budget", "BudgetError", "ModelShape", "SimConfig", "parse_bytes"]
 
@@ -59,34 +61,6 @@ def parse_bytes(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise BudgetError(f"not a memory size: {text!r}; write e.g. 12GiB, 800MB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The modeled model's KV geometry (not the tiny pool the simulator really uses).
-
-    Attributes:
-        num_layers: transformer layers.
-        num_kv_heads: key/value heads per layer.
-        head_dim: values per head.
-        dtype_bytes: bytes per stored value (2 for fp16/bf16, 1 for fp8).
-    """
-
-    num_layers: int = 40
-    num_kv_heads: int = 40
-    head_dim: int = 128
-    dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of keys and values one token takes across every layer."""
-        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +112,21 @@ class SimConfig:
         beam_replace_prob: beam-like sampling: per decode step, the chance that
             each beam but the first is pruned and replaced by a fork of another.
         seed: seeds the engine's own draws (generated token ids, beam events).
+        cost: the step-time model that turns each step's work into model
+            seconds (:mod:`pagedkv.simulate.cost`).
+        scheduler: the scheduler's name, for reports (the knobs below are
+            what it means; :mod:`pagedkv.simulate.scheduler` has the presets).
+        preempt_mode: ``"recompute"`` (blocks freed, tokens re-fed later) or
+            ``"swap"`` (blocks copied to a host pool of ``num_host_blocks``).
+        num_host_blocks: the host pool for swap; a request that does not fit
+            there is preempted by recompute instead.
+        max_num_batched_tokens: a token budget per step (decode tokens
+            first, then prefill), or None for no budget but memory.
+        chunked_prefill: with a token budget, split a prompt that does not
+            fit the step's remaining budget over several steps.
+        growth_reserve_steps: admission also keeps free the blocks every
+            running sequence needs for its next this many tokens (a thrash
+            bound; 0 for none).
     """
 
     budget: Budget
@@ -150,13 +139,30 @@ class SimConfig:
     watermark: float = 0.01
     beam_replace_prob: float = 0.2
     seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    scheduler: str = "greedy"
+    preempt_mode: str = "recompute"
+    num_host_blocks: int = 0
+    max_num_batched_tokens: int | None = None
+    chunked_prefill: bool = False
+    growth_reserve_steps: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (("block_size", 1), ("sample_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-        for name in ("max_size", "max_num_seqs"):
+        for name, minimum in (("num_host_blocks", 0), ("growth_reserve_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.preempt_mode not in ("recompute", "swap"):
+            raise ConfigError(f"preempt_mode must be 'recompute' or 'swap', got {self.preempt_mode!r}")
+        if self.preempt_mode == "swap" and not self.num_host_blocks:
+            raise ConfigError("preempt_mode 'swap' needs num_host_blocks >= 1 (a host pool to swap into)")
+        if self.chunked_prefill and self.max_num_batched_tokens is None:
+            raise ConfigError("chunked_prefill needs a token budget: set max_num_batched_tokens")
+        for name in ("max_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be None or an int >= 1, got {value!r}")

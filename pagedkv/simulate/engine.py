@@ -54,12 +54,13 @@ from pagedkv import KVCacheManager, KVPool, PoolExhaustedError
 from pagedkv.counts import ceil_div
 from pagedkv.occupancy import count_live_slots
 from pagedkv.simulate.admission import Admitter
+from pagedkv.simulate.clock import Clock
 from pagedkv.simulate.config import BudgetError, SimConfig
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.requests import Schedule
 from pagedkv.simulate.result import Accumulator, PolicyResult
 from pagedkv.simulate.sequences import SequenceBook
-from pagedkv.simulate.workload import Arrivals, Workload, WorkloadError
+from pagedkv.simulate.workload import Arrivals, Request, Workload, WorkloadError
 
 __all__ = ["PagedEngine"]
 
@@ -68,8 +69,10 @@ class PagedEngine:
     """Continuous batching over a real :class:`KVCacheManager` under a memory budget.
 
     Args:
-        workload: the requests.
+        workload: the requests (a replica of a cluster takes only their prompts
+            from it; requests come in by ``submit``).
         config: the budget, block size, window, prefix caching and scheduler knobs.
+        kv_events: have the manager emit KV events (``drain_kv_events``).
 
     Raises:
         BudgetError: the pool cannot hold some request's prompt at all.
@@ -86,7 +89,7 @@ class PagedEngine:
     schedule, and the live slots counted here are ``manager.metrics()``'s.
     """
 
-    def __init__(self, workload: Workload, config: SimConfig) -> None:
+    def __init__(self, workload: Workload, config: SimConfig, *, kv_events: bool = False) -> None:
         self.workload = workload
         self.config = config
         bs = config.block_size
@@ -104,15 +107,30 @@ class PagedEngine:
                     f"max_num_seqs={config.max_num_seqs}"
                 )
         self.pool = KVPool(num_blocks, block_size=bs, head_dim=1, dtype=np.float32)
+        host_pool = None
+        if config.num_host_blocks:
+            host_pool = KVPool(config.num_host_blocks, block_size=bs, head_dim=1, dtype=np.float32)
+        # NOTE: kv_events is passed only when asked for, so the engine runs on
+        # a manager without KV events (issue 15) too; a router that needs them
+        # checks for drain_kv_events first.
+        events: dict[str, Any] = {"kv_events": True} if kv_events else {}
         self.manager = KVCacheManager(
-            self.pool, max_size=config.max_size, enable_prefix_caching=config.enable_prefix_caching
+            self.pool,
+            max_size=config.max_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            host_pool=host_pool,
+            **events,
         )
-        self.result = PolicyResult("paged")
+        self.result = PolicyResult("paged", scheduler=config.scheduler)
         self.sequences = SequenceBook(self.manager, self.result, with_tokens=config.enable_prefix_caching)
-        self.schedule = Schedule(self.sequences)
+        self.clock = Clock(config.cost)
+        self.schedule = Schedule(self.sequences, self.clock)
         self.admitter = Admitter(workload, config, self.schedule)
         self.step = -1
         self._rng = random.Random(config.seed)
+        self._start = (0.0, 0.0)
+        self._stats = Accumulator(self.result, num_blocks * bs)
+        self._sample_every = config.sample_every
 
     @property
     def seq_owner(self) -> dict[Hashable, int]:
@@ -127,7 +145,7 @@ class PagedEngine:
         progress: Progress | None = None,
         observer: Callable[[PagedEngine], None] | None = None,
     ) -> PolicyResult:
-        """Simulate until every request has finished (or was aborted).
+        """Simulate until every request of the workload has finished (or was aborted).
 
         Args:
             progress: a bar to update now and then.
@@ -136,49 +154,108 @@ class PagedEngine:
         Returns:
             The measurements; ``self.result`` is the same object.
         """
-        start = time.perf_counter()
-        cpu_start = time.process_time()
-        config = self.config
-        manager, pool, schedule = self.manager, self.pool, self.schedule
-        result = self.result
-        stats = Accumulator(result, config.num_blocks * config.block_size)
+        self.begin()
+        result, schedule, clock = self.result, self.schedule, self.clock
         arrivals = Arrivals(self.workload)
-        running, waiting = schedule.running, schedule.waiting
-        sample_every = 1 if config.check_every_step else config.sample_every
-        step = -1
-        while arrivals.num_pending or waiting or running:
-            step += 1
-            self.step = step
+        while arrivals.num_pending or self.has_work:
             if arrivals.num_pending:
-                for request in arrivals.pop_arrived(step):
-                    schedule.arrive(request)
-            preempted = False
-            if running:
-                if config.beam_replace_prob > 0:
-                    self._beam_events()
-                preempted = self._decode_step(step)
-            if not preempted:
-                self.admitter.admit_waiting(step)
-            stats.on_step(schedule.num_running_seqs, len(running))
-            if step % sample_every == 0:
-                self._sample(stats, step)
-            if observer is not None:
-                observer(self)
-            if config.check_every_step:
-                self.check_consistency()
-            schedule.finish(step)
-            if progress is not None and step % 256 == 0:
-                progress.update(result.num_finished + result.num_aborted, f"step {step}")
+                if not self.has_work:
+                    next_s = arrivals.next_arrival_s()
+                    if next_s is not None:
+                        clock.idle_until(next_s)
+                for request in arrivals.pop_arrived(self.step + 1, clock.now):
+                    schedule.arrive(request, clock.now)
+            self.run_step(observer)
+            if progress is not None and self.step % 256 == 0:
+                progress.update(result.num_finished + result.num_aborted, f"step {self.step}")
         if progress is not None:
-            progress.close(result.num_finished + result.num_aborted, f"step {step}")
+            progress.close(result.num_finished + result.num_aborted, f"step {self.step}")
+        return self.end()
+
+    # ------------------------------------------- stepping (a replica of a cluster)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request waits, prefills or runs."""
+        schedule = self.schedule
+        return bool(schedule.waiting or schedule.running or schedule.prefilling)
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests waiting, prefilling or running (a router's load signal)."""
+        schedule = self.schedule
+        return len(schedule.waiting) + len(schedule.running) + len(schedule.prefilling)
+
+    def begin(self) -> None:
+        """Start measuring (``run`` calls it; a cluster calls it once per replica)."""
+        self._start = (time.perf_counter(), time.process_time())
+        config = self.config
+        self._stats = Accumulator(self.result, config.num_blocks * config.block_size)
+        self._sample_every = 1 if config.check_every_step else config.sample_every
+
+    def submit(self, request: Request) -> None:
+        """``request`` arrives now (at its ``arrival_s``, if later: the engine idles until then)."""
+        if request.arrival_s is not None and not self.has_work:
+            self.clock.idle_until(request.arrival_s)
+        self.schedule.arrive(request, self.clock.now)
+
+    def advance_until(self, time_s: float) -> None:
+        """Run steps while there is work and the clock is before ``time_s``."""
+        while self.has_work and self.clock.now < time_s:
+            self.run_step()
+
+    def run_step(self, observer: Callable[[PagedEngine], None] | None = None) -> None:
+        """One step: decode, prefill, admit, measure, free the finished (the module docstring)."""
+        config, schedule, result = self.config, self.schedule, self.result
+        book, admitter, stats = self.sequences, self.admitter, self._stats
+        running = schedule.running
+        self.step += 1
+        step = self.step
+        book.begin_step()
+        preempted = False
+        num_decode = decode_context = 0
+        if running:
+            if config.beam_replace_prob > 0:
+                self._beam_events()
+            num_before = result.num_decode_tokens
+            preempted = self._decode_step(step)
+            num_decode = result.num_decode_tokens - num_before
+            decode_context = schedule.num_running_tokens(step) if num_decode else 0
+        admitter.begin_step(num_decode)
+        if schedule.prefilling:
+            admitter.continue_prefills(step)
+        if not preempted:
+            admitter.admit_waiting(step)
+        swapped_blocks = book.num_step_swapped_blocks
+        result.swap_bytes += swapped_blocks * config.block_size * config.cost.shape.bytes_per_token
+        self.clock.end_step(
+            num_decode + book.num_step_prefill_tokens,
+            decode_context + book.num_step_prefill_context,
+            decode_context + book.num_step_prefill_pairs,
+            swapped_blocks * config.block_size,
+        )
+        stats.on_step(schedule.num_running_seqs, len(running))
+        if step % self._sample_every == 0:
+            self._sample(stats, step)
+        if observer is not None:
+            observer(self)
         if config.check_every_step:
+            self.check_consistency()
+        schedule.finish(step)
+
+    def end(self) -> PolicyResult:
+        """Finish measuring; return the result (checked, with ``check_every_step``)."""
+        manager, pool = self.manager, self.pool
+        if self.config.check_every_step:
             manager.check_invariants()
+            self.clock.check_invariants()
             if pool.num_used_blocks or manager.seq_ids:
                 raise AssertionError(
                     f"after the run {pool.num_used_blocks} blocks are used and "
                     f"{len(manager.seq_ids)} sequences are known"
                 )
-        return stats.finish(time.perf_counter() - start, time.process_time() - cpu_start)
+        wall, cpu = self._start
+        return self._stats.finish(time.perf_counter() - wall, time.process_time() - cpu, self.clock)
 
     # ---------------------------------------------------------------- phases
 
@@ -203,7 +280,7 @@ class PagedEngine:
                 batch = manager.reserve(wanted)
                 break
             except PoolExhaustedError:
-                victim = schedule.preempt_newest(step)
+                victim = schedule.preempt_newest(step, self.config.preempt_mode)
                 preempted = True
                 for seq_id in victim.seq_ids:
                     wanted.pop(seq_id, None)
@@ -241,14 +318,15 @@ class PagedEngine:
     # ------------------------------------------------------------ measuring
 
     def live_slots(self) -> tuple[int, int]:
-        """``(live slots, block ids held over all tables)`` of the running sequences.
+        """``(live slots, block ids held over all tables)`` of the sequences holding device blocks.
 
         The count ``manager.metrics().num_live_slots`` gives, by the same
         function (:func:`pagedkv.occupancy.count_live_slots`), over the
-        running sequences only (a preempted one holds no block).
+        running and prefilling sequences only (a preempted one holds no
+        device block).
         """
         manager = self.manager
-        tables = [manager.block_table(seq_id) for seq_id in self.schedule.running_seq_ids()]
+        tables = [manager.block_table(seq_id) for seq_id in self.schedule.held_seq_ids()]
         return count_live_slots(tables, self.pool.allocator)
 
     def _sample(self, stats: Accumulator, step: int) -> None:

@@ -6,8 +6,9 @@ it every function raises :class:`MissingExtraError`, naming the extra.
 * :func:`plot_page_map`: the page map over time, one row per step;
 * :func:`plot_occupancy`: memory over time, paged vs contiguous;
 * :func:`plot_sweep`: a block-size sweep;
-* :func:`tutorial_figures`: every figure of ``docs/tutorial.md``
-  (``pagedkv viz --all --out docs/images``).
+* :func:`tutorial_figures`: the memory figures of ``docs/tutorial.md``
+  (``pagedkv viz --all --out docs/images`` writes these and the serving
+  figures of :mod:`pagedkv.simulate.plots_serving`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.simulate.pagemap import FREE, SHARED, PageMap, capture_page_maps
 from pagedkv.simulate.result import PolicyResult
 
-__all__ = ["MissingExtraError", "plot_occupancy", "plot_page_map", "plot_sweep", "pyplot", "tutorial_figures"]
+__all__ = [
+    "MissingExtraError",
+    "plot_occupancy",
+    "plot_page_map",
+    "plot_sweep",
+    "pyplot",
+    "save_figure",
+    "tutorial_figures",
+]
 
 
 class MissingExtraError(PagedKVError, ImportError):
@@ -102,7 +111,7 @@ def plot_page_map(page_maps: Sequence[PageMap], path: str | Path, *, title: str 
         Patch(facecolor=_FREE_RGB, edgecolor="0.3", label="free"),
     ]
     figure.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
 def plot_occupancy(
@@ -158,7 +167,7 @@ def plot_occupancy(
     axes[2].legend(loc="upper right", fontsize=8)
     axes[2].grid(alpha=0.3)
     figure.suptitle(title or "KV memory over time: paged blocks vs contiguous up-front reservation")
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
 def plot_sweep(rows: Sequence[Any], path: str | Path, *, title: str = "") -> Path:
@@ -228,10 +237,11 @@ def plot_sweep(rows: Sequence[Any], path: str | Path, *, title: str = "") -> Pat
         ax.set_xlabel("block size (token slots per block)")
         ax.grid(alpha=0.3)
     figure.suptitle(title or "The block-size trade-off (same memory at every point)")
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
-def _save(plt: Any, figure: Any, path: str | Path) -> Path:
+def save_figure(plt: Any, figure: Any, path: str | Path) -> Path:
+    """Write ``figure`` to ``path`` (its folder made if missing) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

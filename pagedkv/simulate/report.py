@@ -22,6 +22,7 @@ from pagedkv.simulate.config import ModelShape, SimConfig
 from pagedkv.simulate.engine import PagedEngine
 from pagedkv.simulate.progress import Progress
 from pagedkv.simulate.result import PolicyResult
+from pagedkv.simulate.scheduler import parse_system, with_scheduler
 from pagedkv.simulate.workload import Workload
 
 __all__ = [
@@ -60,15 +61,21 @@ def run_policy(
     *,
     progress: ProgressFactory = no_progress,
 ) -> PolicyResult:
-    """Simulate one policy.
+    """Simulate one policy (``"paged:NAME"``: the paged policy under scheduler NAME).
 
     Raises:
-        ConfigError: an unknown policy.
+        ConfigError: an unknown policy or scheduler.
         BudgetError, WorkloadError: the budget or the workload does not fit the policy.
     """
-    bar = progress(policy, len(workload.requests))
+    name = policy
+    policy, scheduler = parse_system(name)
+    bar = progress(name, len(workload.requests))
     if policy == "paged":
-        return PagedEngine(workload, config).run(progress=bar)
+        if scheduler is not None:
+            config = with_scheduler(config, scheduler)
+        result = PagedEngine(workload, config).run(progress=bar)
+        result.policy = name
+        return result
     if policy in RESERVE_RULES:
         engine = ContiguousEngine(
             workload,
@@ -77,6 +84,7 @@ def run_policy(
             max_size=config.max_size,
             max_num_seqs=config.max_num_seqs,
             sample_every=config.sample_every,
+            cost=config.cost,
         )
         return engine.run(progress=bar)
     raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
@@ -122,6 +130,13 @@ def describe_config(config: SimConfig, model: ModelShape | None = None) -> dict[
         "watermark": config.watermark,
         "beam_replace_prob": config.beam_replace_prob,
         "seed": config.seed,
+        "scheduler": config.scheduler,
+        "preempt_mode": config.preempt_mode,
+        "num_host_blocks": config.num_host_blocks,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "chunked_prefill": config.chunked_prefill,
+        "growth_reserve_steps": config.growth_reserve_steps,
+        "cost": config.cost.describe(),
     }
     if model is not None:
         data["model"] = dataclasses.asdict(model) | {"bytes_per_token": model.bytes_per_token}
@@ -143,8 +158,7 @@ def simulate(
         BudgetError, WorkloadError: the budget or workload does not fit.
     """
     for policy in policies:
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        parse_system(policy)
     report = Report(workload.stats(), describe_config(config, model))
     for policy in policies:
         report.results[policy] = run_policy(policy, workload, config, progress=progress)
@@ -156,7 +170,8 @@ def _pct(value: float) -> str:
 
 
 def _rows(result: PolicyResult) -> list[tuple[str, str]]:
-    paged = result.policy == "paged"
+    paged = result.policy.startswith("paged")
+    latency = result.latency
     rows = [
         ("memory holding live tokens, mean", _pct(result.occupancy_mean)),
         ("  peak", _pct(result.occupancy_peak)),
@@ -168,8 +183,11 @@ def _rows(result: PolicyResult) -> list[tuple[str, str]]:
         ("free, mean", _pct(result.free_mean)),
         ("sequences running, mean", f"{result.num_seqs_mean:.1f}"),
         ("  peak", f"{result.num_seqs_peak}"),
-        ("preemptions (recompute)", f"{result.num_preemptions}"),
+        ("scheduler", result.scheduler or "-"),
+        ("preemptions", f"{result.num_preemptions}"),
         ("recomputed tokens", f"{result.num_recomputed_tokens:,}"),
+        ("  of the prefill tokens", _pct(result.num_recomputed_tokens / max(1, result.num_prefill_tokens))),
+        ("swap traffic", f"{result.swap_bytes / 1e9:,.1f} GB" if paged else "-"),
         ("prefix cache hit rate", _pct(result.prefix_hit_rate) if paged else "-"),
         ("blocks saved by sharing, mean", f"{result.blocks_saved_mean:.1f}" if paged else "-"),
         ("  memory saved by sharing", _pct(result.sharing_saving_mean) if paged else "-"),
@@ -179,6 +197,19 @@ def _rows(result: PolicyResult) -> list[tuple[str, str]]:
         ),
         ("steps (forward passes)", f"{result.num_steps:,}"),
         ("generated tokens per step", f"{result.generated_tokens_per_step:.1f}"),
+        ("model time (cost model)", f"{result.model_s:,.1f} s"),
+        ("  of it copying swapped KV", f"{result.swap_s:,.1f} s"),
+        ("throughput, requests / s", f"{latency.requests_per_s:.2f}"),
+        ("  output tokens / s", f"{latency.tokens_per_s:,.0f}"),
+        (
+            "TTFT mean / p50 / p99, s",
+            f"{latency.ttft_mean:.2f} / {latency.ttft_p50:.2f} / {latency.ttft_p99:.2f}",
+        ),
+        ("TPOT mean / p99, ms", f"{1000 * latency.tpot_mean:.1f} / {1000 * latency.tpot_p99:.1f}"),
+        (
+            "normalised latency mean / p50 / p99, s/token",
+            f"{latency.normalised_mean:.3f} / {latency.normalised_p50:.3f} / {latency.normalised_p99:.3f}",
+        ),
         ("wall time", f"{result.wall_s:.2f} s"),
         ("simulated tokens per second", f"{result.timing()['simulated_tokens_per_s']:,.0f}"),
         ("  per CPU second", f"{result.timing()['simulated_tokens_per_cpu_s']:,.0f}"),

@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagedkv.simulate.clock import Clock
+from pagedkv.simulate.latency import Latency, summarize
+
 __all__ = ["PolicyResult", "Series"]
 
 
@@ -82,6 +85,14 @@ class PolicyResult:
         sharing_saving_mean: mean of saved / (used + saved): the memory saved
             against the same sequences unshared.
         num_samples: measured steps behind the means.
+        scheduler: the paged policy's scheduler (empty for contiguous ones).
+        num_swapped_out_blocks, num_swapped_in_blocks: blocks copied to and
+            from the host by swap preemption.
+        swap_bytes: bytes those copies moved (modeled model's KV bytes).
+        model_s: model seconds until the last step ended (the cost model's time).
+        busy_s: of it, seconds of steps that computed something.
+        swap_s: of it, seconds spent copying KV to and from the host.
+        latency: what requests saw, in model seconds (:mod:`pagedkv.simulate.latency`).
         wall_s: wall-clock seconds of the run (not deterministic).
         cpu_s: CPU seconds this process spent on it (steadier than wall time
             on a shared machine; not deterministic either).
@@ -119,6 +130,14 @@ class PolicyResult:
     blocks_saved_peak: int = 0
     sharing_saving_mean: float = 0.0
     num_samples: int = 0
+    scheduler: str = ""
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    swap_bytes: int = 0
+    model_s: float = 0.0
+    busy_s: float = 0.0
+    swap_s: float = 0.0
+    latency: Latency = field(default_factory=Latency)
     wall_s: float = field(default=0.0, compare=False)
     cpu_s: float = field(default=0.0, compare=False)
     series: Series = field(default_factory=Series, compare=False, repr=False)
@@ -132,7 +151,8 @@ class PolicyResult:
         """The deterministic fields, rounded for reading (same seed, same dict)."""
         data = asdict(self)
         del data["wall_s"], data["cpu_s"], data["series"]
-        return {key: round(value, 6) if isinstance(value, float) else value for key, value in data.items()}
+        data["latency"] = {key: _round(value) for key, value in data["latency"].items()}
+        return {key: _round(value) for key, value in data.items()}
 
     def timing(self) -> dict[str, float]:
         """Wall-clock fields: seconds, and simulated tokens per wall-clock and per CPU second."""
@@ -144,6 +164,10 @@ class PolicyResult:
             "cpu_s": round(self.cpu_s, 3),
             "simulated_tokens_per_cpu_s": round(cpu_rate, 1),
         }
+
+
+def _round(value: Any) -> Any:
+    return round(value, 6) if isinstance(value, float) else value
 
 
 class Accumulator:
@@ -222,9 +246,14 @@ class Accumulator:
             series.never_used.append(never_used / budget)
             series.num_seqs.append(num_seqs)
 
-    def finish(self, wall_s: float, cpu_s: float = 0.0) -> PolicyResult:
-        """Fill in the means and return the result."""
+    def finish(self, wall_s: float, cpu_s: float = 0.0, clock: Clock | None = None) -> PolicyResult:
+        """Fill in the means (and, with ``clock``, the model time and latency) and return the result."""
         result = self.result
+        if clock is not None:
+            result.model_s = clock.now
+            result.busy_s = clock.busy_s
+            result.swap_s = clock.transfer_s
+            result.latency = summarize(clock.records, num_generated_tokens=result.num_generated_tokens)
         steps, samples = max(1, self._num_steps), max(1, self._num_samples)
         sums = self._sums
         result.num_steps = self._num_steps

@@ -14,6 +14,7 @@ writes what a reservation asks for: the pool is one layer, one head,
 >>> book.manager.add_sequence(seq_id)
 0
 >>> book.feed({seq_id: 6})
+6
 >>> child = book.fork(seq_id, request_id=7)
 >>> book.seq_owner, book.result.num_prefill_tokens, book.manager.num_tokens(child)
 ({0: 7, 1: 7}, 6, 6)
@@ -58,6 +59,13 @@ class SequenceBook:
         self.history: dict[Hashable, list[int]] = {}
         #: The persistent decode request ``{seq_id: 1}`` of every running sequence (without tokens).
         self.decode: dict[Hashable, Any] = {}
+        #: This step's work for the cost model, reset by :meth:`begin_step`:
+        #: prefill tokens fed, their context read, their (query, key) pairs,
+        #: and blocks copied to or from the host.
+        self.num_step_prefill_tokens = 0
+        self.num_step_prefill_context = 0
+        self.num_step_prefill_pairs = 0
+        self.num_step_swapped_blocks = 0
         self._next_seq_id = 0
         self._kv: npt.NDArray[np.float32] = np.zeros((1024, 1, 1), np.float32)  # (num_tokens, 1 head, 1)
 
@@ -111,17 +119,36 @@ class SequenceBook:
             return self.history[seq_id][start:end]
         return end - start
 
-    def feed(self, parts: dict[Hashable, Any], *, recomputed: bool = False) -> None:
-        """Reserve and write ``parts`` as a prefill, counted in the result.
+    def begin_step(self) -> None:
+        """Zero this step's work counters."""
+        self.num_step_prefill_tokens = self.num_step_prefill_context = 0
+        self.num_step_prefill_pairs = self.num_step_swapped_blocks = 0
+
+    def feed(self, parts: dict[Hashable, Any], *, recomputed: bool = False) -> int:
+        """Reserve and write ``parts`` as a prefill, counted in the result and this step's work.
+
+        Returns:
+            The tokens fed.
 
         Raises:
             PoolExhaustedError: the pool cannot hold them (nothing changed).
         """
-        batch = self.manager.reserve(parts)
+        manager = self.manager
+        starts = [(manager.num_tokens(seq_id), part if isinstance(part, int) else len(part))
+                  for seq_id, part in parts.items()]
+        batch = manager.reserve(parts)
         self.write(batch)
-        self.result.num_prefill_tokens += batch.num_tokens
+        num_tokens = batch.num_tokens
+        self.result.num_prefill_tokens += num_tokens
         if recomputed:
-            self.result.num_recomputed_tokens += batch.num_tokens
+            self.result.num_recomputed_tokens += num_tokens
+        self.num_step_prefill_tokens += num_tokens
+        for start, count in starts:
+            # A chunk of ``count`` tokens after ``start`` reads all its context
+            # and computes about count x (start + count / 2) attention pairs.
+            self.num_step_prefill_context += start + count
+            self.num_step_prefill_pairs += count * start + count * (count + 1) // 2
+        return num_tokens
 
     def write(self, batch: Batch) -> None:
         """Write zeros for every token of a reservation (the manager requires the write)."""

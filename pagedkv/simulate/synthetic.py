@@ -71,6 +71,7 @@ def synthetic(
     num_prefix_groups: int = 0,
     prefix_len: int = 0,
     arrival_rate: float | None = None,
+    request_rate: float | None = None,
     max_model_len: int = 2048,
 ) -> Workload:
     """A synthetic request stream with ShareGPT- or Alpaca-like lengths.
@@ -87,6 +88,10 @@ def synthetic(
         prefix_len: the shared system prompt's length.
         arrival_rate: requests per step (a Poisson process); None means
             every request arrives at step 0 (an offline batch).
+        request_rate: requests per model second (a Poisson process, in the
+            time of :mod:`pagedkv.simulate.cost`); None for none. The gaps are
+            one unit-rate draw scaled by ``1 / request_rate``, so every rate
+            sees the same requests in the same order, only closer together.
         max_model_len: the modeled model's longest sequence; each drawn
             length is clipped to half of it.
 
@@ -106,6 +111,8 @@ def synthetic(
         raise WorkloadError(f"sampling must be one of {SAMPLING_KINDS}, got {sampling!r}")
     if arrival_rate is not None and not arrival_rate > 0:
         raise WorkloadError(f"arrival_rate must be > 0 requests per step, got {arrival_rate!r}")
+    if request_rate is not None and not (0 < request_rate < math.inf):
+        raise WorkloadError(f"request_rate must be > 0 requests per second, got {request_rate!r}")
     if prefix_len and not num_prefix_groups:
         num_prefix_groups = 1
     if prefix_len >= max_model_len // 2:
@@ -119,6 +126,10 @@ def synthetic(
     arrivals = [0] * num_requests
     if arrival_rate is not None:
         arrivals = np.floor(np.cumsum(rng.exponential(1 / arrival_rate, num_requests))).astype(int).tolist()
+    arrival_s: list[float | None] = [None] * num_requests
+    if request_rate is not None:
+        gaps = np.random.default_rng([seed, 3]).exponential(1.0, num_requests)
+        arrival_s = (np.cumsum(gaps) / request_rate).tolist()
     requests = tuple(
         Request(
             request_id=i,
@@ -129,12 +140,15 @@ def synthetic(
             prefix_group=f"group-{groups[i]}" if num_prefix_groups else None,
             prefix_len=prefix_len if num_prefix_groups else 0,
             arrival_step=arrivals[i],
+            arrival_s=arrival_s[i],
         )
         for i in range(num_requests)
     )
     source = f"{dataset} x {num_requests}"
     if n > 1:
         source += f", n={n} {sampling}"
+    if request_rate is not None:
+        source += f", {request_rate:g} requests/s"
     if num_prefix_groups:
         source += f", {num_prefix_groups} prefix group(s) of {prefix_len} tokens"
     return Workload(requests, seed=seed, source=source, max_model_len=max_model_len)

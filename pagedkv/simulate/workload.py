@@ -17,7 +17,8 @@ are skipped)::
      "prefix_group": "sys-a",  # optional: requests of a group share a system prompt
      "prefix_len": 64,         # optional: its length (default: the group's shortest prompt)
      "max_output_len": 512,    # optional: what a contiguous system reserves (>= output_len)
-     "arrival_step": 0}        # optional: the step the request arrives, default 0
+     "arrival_step": 0,        # optional: the step the request arrives, default 0
+     "arrival_s": 1.5}         # optional: the model second it arrives (after arrival_step)
 
 >>> workload = parse_jsonl(['{"prompt_len": 20, "output_len": 18}', '{"prompt": [5, 6], "output_len": 3}'])
 >>> [(r.prompt_len, r.output_len) for r in workload.requests], workload.prompt_tokens(workload.requests[1])
@@ -29,6 +30,7 @@ are skipped)::
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,6 +77,8 @@ class Request:
         prefix_len: tokens of the prompt shared with the group.
         max_output_len: the output a contiguous system must reserve room for.
         arrival_step: the simulated step the request arrives at.
+        arrival_s: the model second it arrives at (a Poisson stream of a
+            request rate), or None to arrive by ``arrival_step`` alone.
         prompt: explicit prompt token ids, or None to draw them from the seed.
     """
 
@@ -87,6 +91,7 @@ class Request:
     prefix_len: int = 0
     max_output_len: int | None = None
     arrival_step: int = 0
+    arrival_s: float | None = None
     prompt: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property
@@ -171,15 +176,24 @@ class Arrivals:
         self._next = 0
         self.num_pending = len(self._requests)
 
-    def pop_arrived(self, step: int) -> tuple[Request, ...]:
-        """The requests arriving at or before ``step`` not handed out yet, in order."""
+    def pop_arrived(self, step: int, now_s: float = math.inf) -> tuple[Request, ...]:
+        """The requests arrived by ``step`` (and by model second ``now_s``) not handed out yet, in order."""
         requests = self._requests
         first = index = self._next
         while index < len(requests) and requests[index].arrival_step <= step:
+            arrival_s = requests[index].arrival_s
+            if arrival_s is not None and arrival_s > now_s:
+                break
             index += 1
         self._next = index
         self.num_pending -= index - first
         return requests[first:index]
+
+    def next_arrival_s(self) -> float | None:
+        """The model second the next pending request arrives at (None: none, or it arrives by step)."""
+        if self._next == len(self._requests):
+            return None
+        return self._requests[self._next].arrival_s
 
 
 _FIELDS = (
@@ -192,6 +206,7 @@ _FIELDS = (
     "prefix_len",
     "max_output_len",
     "arrival_step",
+    "arrival_s",
 )
 
 
@@ -206,6 +221,15 @@ def _int_field(
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise WorkloadError(f"{where}: field {name!r} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def _seconds_field(record: dict[str, Any], name: str, where: str) -> float | None:
+    value = record.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise WorkloadError(f"{where}: field {name!r} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def parse_jsonl(
@@ -305,6 +329,7 @@ def parse_jsonl(
                 "prefix_len": prefix_len,
                 "max_output_len": max_output_len,
                 "arrival_step": _int_field(record, "arrival_step", where, 0, 0),
+                "arrival_s": _seconds_field(record, "arrival_s", where),
                 "prompt": tuple(prompt) if prompt is not None else None,
             }
         )
@@ -314,7 +339,9 @@ def parse_jsonl(
             fields["prefix_len"] = group_min[group]
         elif fields["prefix_len"] is None:
             fields["prefix_len"] = 0
-    order = sorted(range(len(partial)), key=lambda i: partial[i]["arrival_step"])
+    order = sorted(
+        range(len(partial)), key=lambda i: (partial[i]["arrival_step"], partial[i]["arrival_s"] or 0.0)
+    )
     requests = tuple(Request(request_id=rank, **partial[i]) for rank, i in enumerate(order))
     return Workload(requests, seed=seed, source=source, max_model_len=max_model_len)
 

@@ -1,0 +1,117 @@
+"""Schedulers as choices: named presets of the paged engine's admission and preemption knobs.
+
+Every preset drives the same real manager; only the decisions differ::
+
+    name            admits while                         budget per step         preempts (newest first)
+    greedy          prompt fits, 1% of blocks free       none                    recompute
+    watermark       prompt fits, 10% of blocks free      none                    recompute
+    swap            prompt fits, 1% free                 none                    swap to a host pool (4 GiB),
+                                                                                 recompute if it is full
+    vllm-v1         prompt chunk fits; <= 256 sequences  2,048 tokens, chunked   recompute
+    reserve-growth  prompt fits, and every running       none                    recompute
+                    sequence's next 64 tokens fit too
+
+``greedy`` is the simulator's historical default (vLLM v0 with its 0.01
+watermark). ``vllm-v1`` follows vLLM's v1 scheduler: decode tokens first,
+then prefill chunks from the remaining ``max_num_batched_tokens``, at most
+``max_num_seqs`` running, no watermark, recompute preemption of the most
+recently admitted request. ``reserve-growth`` bounds thrash: admission keeps
+room for the running batch to grow for 64 more steps, so a preemption needs
+64 steps of growth no finishing request paid for (``watermark`` is the
+static version of the same idea).
+
+>>> from pagedkv.simulate import Budget, SimConfig
+>>> config = with_scheduler(SimConfig(Budget(4096), block_size=16), "vllm-v1")
+>>> config.scheduler, config.max_num_batched_tokens, config.chunked_prefill, config.watermark
+('vllm-v1', 2048, True, 0.0)
+>>> with_scheduler(SimConfig(Budget(4096), block_size=16), "swap").num_host_blocks
+327
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagedkv.errors import ConfigError
+from pagedkv.simulate.baseline import RESERVE_RULES
+from pagedkv.simulate.config import SimConfig
+
+__all__ = ["DEFAULT_SWAP_SPACE_BYTES", "SCHEDULERS", "parse_system", "with_scheduler"]
+
+#: vLLM's default swap space: 4 GiB of host memory per device.
+DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
+
+#: ``name -> SimConfig fields`` it sets (swap's host pool is sized by :func:`with_scheduler`).
+SCHEDULERS: dict[str, dict[str, Any]] = {
+    "greedy": {"watermark": 0.01},
+    "watermark": {"watermark": 0.10},
+    "swap": {"watermark": 0.01, "preempt_mode": "swap"},
+    "vllm-v1": {
+        "watermark": 0.0,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+        "chunked_prefill": True,
+    },
+    "reserve-growth": {"watermark": 0.01, "growth_reserve_steps": 64},
+}
+
+_RESET: dict[str, Any] = {
+    "watermark": 0.01,
+    "preempt_mode": "recompute",
+    "num_host_blocks": 0,
+    "max_num_batched_tokens": None,
+    "chunked_prefill": False,
+    "growth_reserve_steps": 0,
+}
+
+
+def with_scheduler(
+    config: SimConfig, name: str, *, swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES, **overrides: Any
+) -> SimConfig:
+    """``config`` with the knobs of scheduler ``name`` (then ``overrides``) set.
+
+    Args:
+        config: the rest of the settings (budget, block size, cost model...).
+        name: a key of :data:`SCHEDULERS`.
+        swap_space_bytes: host memory for ``swap``, in the cost model's KV bytes.
+        overrides: SimConfig fields to set after the preset (``watermark=0.05``).
+
+    Raises:
+        ConfigError: an unknown name, or knobs that do not go together.
+    """
+    if name not in SCHEDULERS:
+        raise ConfigError(f"unknown scheduler {name!r}; expected one of {', '.join(SCHEDULERS)}")
+    fields = dict(_RESET)
+    if config.max_num_seqs is not None:
+        fields["max_num_seqs"] = config.max_num_seqs
+    fields.update(SCHEDULERS[name])
+    if fields.get("preempt_mode") == "swap":
+        block_bytes = config.block_size * config.cost.shape.bytes_per_token
+        fields["num_host_blocks"] = max(1, swap_space_bytes // block_bytes)
+    fields.update(overrides)
+    return dataclasses.replace(config, scheduler=name, **fields)
+
+
+def parse_system(name: str) -> tuple[str, str | None]:
+    """``"paged:vllm-v1"`` -> ``("paged", "vllm-v1")``; ``"contiguous"`` -> ``("contiguous", None)``.
+
+    Raises:
+        ConfigError: an unknown policy or scheduler.
+
+    >>> parse_system("paged:swap"), parse_system("paged")
+    (('paged', 'swap'), ('paged', None))
+    """
+    policy, _, scheduler = name.partition(":")
+    if policy == "paged":
+        if scheduler and scheduler not in SCHEDULERS:
+            raise ConfigError(
+                f"unknown scheduler {scheduler!r} in {name!r}; expected one of {', '.join(SCHEDULERS)}"
+            )
+        return policy, scheduler or None
+    if policy in RESERVE_RULES and not scheduler:
+        return policy, None
+    raise ConfigError(
+        f"unknown policy {name!r}; expected paged, paged:SCHEDULER ({', '.join(SCHEDULERS)}) "
+        f"or {', '.join(RESERVE_RULES)}"
+    )
