@@ -1,0 +1,246 @@
+"""Publishing KV events on vLLM's wire format, so a router built for vLLM subscribes unchanged.
+
+The ``events`` extra (pyzmq, msgspec). Each ``publish`` sends one
+``KVEventBatch`` (``ts``, ``events``, ``data_parallel_rank``) encoded with
+msgpack exactly as vLLM's ``ZmqEventPublisher`` does — the batch as an array,
+each event a map tagged with its class name (``"type": "BlockStored"``), fields
+at their default left out — as a three-part ZMQ message on a PUB socket::
+
+    [topic (utf-8), sequence number (8 bytes, big-endian), payload]
+
+The last ``buffer_steps`` batches are kept for replay: a subscriber that
+missed some sends ``[b"", start sequence number]`` from a DEALER socket to
+the replay (ROUTER) endpoint and gets every kept batch from there on, as
+``[b"", topic, seq, payload]``, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
+
+Unlike vLLM's, this publisher sends from the caller's thread (a PUB socket
+never blocks: at its high-water mark ZMQ drops), and serves waiting replay
+requests on each ``publish`` and on ``serve_replay``. An engine step::
+
+    publisher.publish(manager.drain_kv_events())
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections import deque
+from collections.abc import Sequence
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+from pagedkv.counts import check_count
+from pagedkv.errors import InputTypeError
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+__all__ = ["END_SEQ", "ZmqEventPublisher", "encode_batch"]
+
+#: The sequence number that ends a replay.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _load(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(
+            f"publishing KV events needs {name}: pip install 'pagedkv[events]' (pyzmq and msgspec)"
+        ) from error
+
+
+@cache
+def _wire() -> dict[str, Any]:
+    """msgspec structs with vLLM's names, fields and encoding options (built once, on first use)."""
+    msgspec = _load("msgspec")
+    struct: Any = msgspec.Struct
+
+    class EventBatch(struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc,call-arg]
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[misc,call-arg]
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
+        lookahead_token_ids: list[list[int]] | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        medium: str | None
+        group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    return {
+        "batch": EventBatch,
+        "BlockStored": BlockStored,
+        "BlockRemoved": BlockRemoved,
+        "AllBlocksCleared": AllBlocksCleared,
+        "encoder": msgspec.msgpack.Encoder(),
+    }
+
+
+def _to_wire(event: KVEvent, wire: dict[str, Any]) -> Any:
+    if isinstance(event, BlockStored):
+        return wire["BlockStored"](
+            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=event.lora_id,
+            medium=event.medium, lora_name=event.lora_name, extra_keys=event.extra_keys,
+            group_idx=event.group_idx, kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window, locality=event.locality,
+            ownership=event.ownership, session_id=event.session_id,
+            lookahead_token_ids=event.lookahead_token_ids,
+        )
+    if isinstance(event, BlockRemoved):
+        return wire["BlockRemoved"](
+            block_hashes=list(event.block_hashes), medium=event.medium, group_idx=event.group_idx,
+            locality=event.locality, ownership=event.ownership,
+        )
+    if isinstance(event, AllBlocksCleared):
+        return wire["AllBlocksCleared"]()
+    raise InputTypeError(f"not a KV event: {type(event).__name__}")
+
+
+def encode_batch(events: Sequence[KVEvent], ts: float, data_parallel_rank: int | None = None) -> bytes:
+    """One ``KVEventBatch`` as vLLM's msgpack payload.
+
+    Raises:
+        InputTypeError: an entry is not a KV event.
+        ImportError: msgspec is missing (the ``events`` extra).
+    """
+    wire = _wire()
+    batch = wire["batch"](ts=ts, events=[_to_wire(event, wire) for event in events],
+                          data_parallel_rank=data_parallel_rank)
+    payload: bytes = wire["encoder"].encode(batch)
+    return payload
+
+
+class ZmqEventPublisher:
+    """Publish KV event batches on a PUB socket, and replay recent ones to subscribers that ask.
+
+    Invariants:
+        * sequence numbers start at 0 and grow by one per published batch;
+        * at most ``buffer_steps`` batches are kept for replay, the newest.
+
+    Args:
+        endpoint: where the PUB socket binds (``"tcp://*:5557"``, vLLM's default).
+        replay_endpoint: where the ROUTER socket for replay binds, or None (no replay).
+        topic: the first frame of every message.
+        buffer_steps: batches kept for replay.
+        data_parallel_rank: written into every batch (vLLM's field), or None.
+
+    Raises:
+        InputTypeError, ConfigError: a bad argument.
+        ImportError: pyzmq or msgspec is missing (the ``events`` extra).
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        for name, value in (("endpoint", endpoint), ("topic", topic)):
+            if not isinstance(value, str):
+                raise InputTypeError(f"{name} must be a str, got {value!r}")
+        self.buffer_steps = check_count("buffer_steps", buffer_steps)
+        zmq = _load("zmq")
+        _wire()
+        self._zmq = zmq
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._replay = None
+        if replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+        self._topic = topic.encode("utf-8")
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        self._data_parallel_rank = data_parallel_rank
+        #: The sequence number the next batch gets.
+        self.next_seq = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB socket's bound address (with the port ZMQ chose for ``tcp://...:*``)."""
+        address: str = self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT)
+        return address
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay socket's bound address, or None."""
+        if self._replay is None:
+            return None
+        address: str = self._replay.getsockopt_string(self._zmq.LAST_ENDPOINT)
+        return address
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int | None:
+        """Send ``events`` as one batch (none: nothing is sent); return its sequence number.
+
+        Waiting replay requests are served first.
+        """
+        self.serve_replay()
+        if not events:
+            return None
+        payload = encode_batch(events, time.time() if ts is None else ts, self._data_parallel_rank)
+        seq = self.next_seq
+        self.next_seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        return seq
+
+    def serve_replay(self, timeout_ms: int = 0) -> int:
+        """Answer the replay requests waiting (or arriving within ``timeout_ms``); return how many."""
+        replay = self._replay
+        if replay is None:
+            return 0
+        served = 0
+        while replay.poll(timeout_ms if not served else 0):
+            frames = replay.recv_multipart()
+            served += 1
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # not a replay request: ignored, as vLLM does
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in self._buffer:
+                if seq >= start_seq:
+                    replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        return served
+
+    def close(self) -> None:
+        """Close the sockets (the publisher cannot be used after)."""
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+        self._context.term()
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
