@@ -16,6 +16,9 @@ every repetition so a burst of load hits them alike:
   with xxh3_128, then the whole admission through the manager
   (``KVCacheManager.add_sequence`` with the hit shared, then ``free``); and
   the hash alone, per block;
+* (d) what look-before-take (``lookup``), the windowed hit rule and KV
+  events cost: lookups of a cached 2048-token prompt, admissions with and
+  without a lookup first, and a request cycle with events off and on;
 * (c) memory: N = 1, 8, 64 requests that share a 1000-token system prompt and
   each add their own question, prefilled through a real ``KVCacheManager``
   (block_size 16): blocks in use with prefix caching off and on.
@@ -38,16 +41,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from common import header, table
 from threadpoolctl import threadpool_limits
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool
+from pagedkv.extra_keys import field
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
-    _field,
     block_keys,
     encode_extra_keys,
     hash_function,
@@ -186,7 +190,7 @@ def longest_prefix(repeats: int, num_ops: int) -> tuple[list[list[str]], list[li
             return num_ops * num_blocks
 
         # One block's hash input exactly as block_keys builds it (178 bytes with no extras).
-        block_input = _field(b"P", keys[0]) + _field(b"T", token_bytes(prompt[:BLOCK_SIZE])) + extras
+        block_input = field(b"P", keys[0]) + field(b"T", token_bytes(prompt[:BLOCK_SIZE])) + extras
 
         def raw(hasher: Callable[[bytes], bytes] = hasher, data: bytes = block_input) -> int:
             for _ in range(num_ops * 16):
@@ -196,17 +200,22 @@ def longest_prefix(repeats: int, num_ops: int) -> tuple[list[list[str]], list[li
         hash_variants[f"prompt {name}"] = hash_only
         hash_variants[f"raw {name}"] = raw
         # The whole admission through the manager: lookup, sharing, a new table; then free.
-        pool = KVPool(num_blocks + 2, block_size=BLOCK_SIZE, head_dim=1, dtype=np.float32)
+        # Two cached prompts taken in turn: the manager remembers the last prompt's keys
+        # (lookup then add_sequence hashes once), which one prompt repeated would hit every time.
+        other = prompt_tokens(1, PROMPT_TOKENS)
+        pool = KVPool(2 * num_blocks + 2, block_size=BLOCK_SIZE, head_dim=1, dtype=np.float32)
         manager = KVCacheManager(pool, enable_prefix_caching=True, hash_algorithm=name)
-        manager.add_sequence("warm", prompt)
-        batch = manager.reserve({"warm": prompt})
-        kv = np.zeros((len(prompt), 1, 1), np.float32)
-        manager.write(0, batch, kv, kv)
+        for warm in (prompt, other):
+            manager.add_sequence("warm", warm)
+            batch = manager.reserve({"warm": warm})
+            kv = np.zeros((len(warm), 1, 1), np.float32)
+            manager.write(0, batch, kv, kv)
+            manager.free("warm")
         managers.append(manager)
 
-        def admit(manager: KVCacheManager = manager) -> int:
+        def admit(manager: KVCacheManager = manager, prompts: tuple[list[int], ...] = (prompt, other)) -> int:
             for i in range(num_ops):
-                manager.add_sequence(i, prompt)
+                manager.add_sequence(i, prompts[i % 2])
                 manager.free(i)
             return num_ops
 
@@ -236,6 +245,88 @@ def longest_prefix(repeats: int, num_ops: int) -> tuple[list[list[str]], list[li
             [f"{algorithm}: {what}", f"{cpu * 1e9:.0f} ns", f"{cpu * num_blocks * 1e6:.1f} µs", rate(cpu)]
         )
     return rows, hash_rows
+
+
+def features(repeats: int, num_ops: int) -> list[list[str]]:
+    """(d) What issue 15's additions cost: look-before-take, the windowed hit rule, KV events."""
+    prompts = (prompt_tokens(0, PROMPT_TOKENS), prompt_tokens(1, PROMPT_TOKENS))
+    num_blocks = PROMPT_TOKENS // BLOCK_SIZE
+
+    def warmed(**options: Any) -> KVCacheManager:
+        pool = KVPool(2 * num_blocks + 64, block_size=BLOCK_SIZE, head_dim=1, dtype=np.float32)
+        manager = KVCacheManager(pool, enable_prefix_caching=True, **options)
+        for prompt in prompts:
+            manager.add_sequence("warm", prompt)
+            batch = manager.reserve({"warm": prompt})
+            kv = np.zeros((len(prompt), 1, 1), np.float32)
+            manager.write(0, batch, kv, kv)
+            manager.free("warm")
+        return manager
+
+    plain, windowed = warmed(), warmed(max_size=1024)
+
+    def lookup(manager: KVCacheManager) -> Callable[[], int]:
+        def run() -> int:
+            for i in range(num_ops):
+                manager.lookup(prompts[i % 2])
+            return num_ops
+        return run
+
+    def look_then_admit() -> int:
+        for i in range(num_ops):
+            plain.lookup(prompts[i % 2])
+            plain.add_sequence(i, prompts[i % 2])
+            plain.free(i)
+        return num_ops
+
+    def admit_only() -> int:
+        for i in range(num_ops):
+            plain.add_sequence(i, prompts[i % 2])
+            plain.free(i)
+        return num_ops
+
+    kv1 = np.zeros((1, 1, 1), np.float32)
+
+    def cycles(events: bool) -> Callable[[], int]:
+        manager = KVCacheManager(KVPool(64, block_size=BLOCK_SIZE, head_dim=1, dtype=np.float32),
+                                 enable_prefix_caching=True, kv_events=events)
+        prompt = prompt_tokens(5, 128)
+        kv = np.zeros((len(prompt), 1, 1), np.float32)
+
+        def run() -> int:
+            for i in range(num_ops):
+                manager.add_sequence(i, [*prompt[:-1], i])  # a new last block each time: stored, then evicted
+                batch = manager.reserve({i: [*prompt[:-1], i]})
+                manager.write(0, batch, kv, kv)
+                for token in range(32):  # two more blocks fill and are keyed
+                    batch = manager.reserve({i: [token]})
+                    manager.write(0, batch, kv1, kv1)
+                manager.free(i)
+                if events:
+                    manager.drain_kv_events()
+            return num_ops
+        return run
+
+    variants = {
+        "lookup": lookup(plain),
+        "lookup windowed": lookup(windowed),
+        "add_sequence + free": admit_only,
+        "lookup + add_sequence + free": look_then_admit,
+        "cycle events off": cycles(False),
+        "cycle events on": cycles(True),
+    }
+    results = measure(variants, repeats)
+    labels = {
+        "lookup": f"lookup() of a cached {PROMPT_TOKENS}-token prompt (hashing included)",
+        "lookup windowed": "the same, sliding window 1024 (the windowed hit rule)",
+        "add_sequence + free": "add_sequence + free of it (the admission itself)",
+        "lookup + add_sequence + free": "lookup, then add_sequence (keys reused) + free",
+        "cycle events off": "request cycle: 128-token prompt, 32 decodes, free; events off",
+        "cycle events on": "the same with kv_events=True, drained every cycle",
+    }
+    return [
+        [labels[name], rate(cpu), f"{cpu * 1e6:.1f} µs", rate(wall)] for name, (cpu, wall) in results.items()
+    ]
 
 
 def memory(counts: list[int]) -> list[list[str]]:
@@ -295,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
               "bytes: the parent key, 16 int64 ids, length fields)\n")
         print(table(["hash", "per block (CPU)", f"per {PROMPT_TOKENS}-token prompt", "blocks/s (CPU)"],
                     hash_rows))
+        print("\n## (d) look before you take, the windowed hit rule, KV events\n")
+        print(table(["operation", "rate (CPU)", "per op (CPU)", "rate (wall)"],
+                    features(repeats, max(10, num_prefix // 10))))
         print(f"\n## (c) memory: N requests sharing a {SYSTEM_PROMPT_TOKENS}-token system prompt\n")
         print(table(["N", "blocks, caching off", "blocks, caching on", "saved", "tokens served from cache"],
                     memory([1, 8, 64])))

@@ -122,7 +122,17 @@ def _value(data: bytes) -> Scalar:
 
 @lru_cache(maxsize=256)
 def _split(extras: bytes) -> tuple[bytes, tuple[tuple[int, int, bytes], ...]]:
-    """``(whole-sequence part, ((offset, end, item field), ...))`` of encoded extra keys."""
+    """``(whole-sequence part, ((offset, end, item field), ...))`` of encoded extra keys.
+
+    Bytes that are not an encoding with items (opaque extras) are all whole-sequence.
+    """
+    try:
+        return _parse(extras)
+    except (ValueError, struct.error):
+        return extras, ()
+
+
+def _parse(extras: bytes) -> tuple[bytes, tuple[tuple[int, int, bytes], ...]]:
     reader = _Reader(extras)
     while reader.at < len(extras) and extras[reader.at : reader.at + 1] == b"X":
         reader.take(b"X")
@@ -136,6 +146,8 @@ def _split(extras: bytes) -> tuple[bytes, tuple[tuple[int, int, bytes], ...]]:
         item = body.take(b"M")
         offset, length = struct.unpack_from("<QQ", item)
         items.append((offset, offset + length, body.data[item_at : body.at]))
+    if body.at != len(body.data) or reader.at != len(extras):
+        raise ValueError("extra keys: bytes after the items")
     return extras[:start], tuple(items)
 
 
