@@ -26,9 +26,10 @@ import importlib
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import MISSING, fields
 from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import Any, get_type_hints
 
 from pagedkv.counts import check_count
 from pagedkv.errors import InputTypeError
@@ -51,73 +52,37 @@ def _load(name: str) -> ModuleType:
 
 @cache
 def _wire() -> dict[str, Any]:
-    """msgspec structs with vLLM's names, fields and encoding options (built once, on first use)."""
+    """msgspec structs with vLLM's names, fields and options, made from :mod:`pagedkv.events`' classes.
+
+    Built once, on first use: events as maps tagged with the class name,
+    fields at their default left out; the batch as an array.
+    """
     msgspec = _load("msgspec")
-    struct: Any = msgspec.Struct
-
-    class EventBatch(struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc,call-arg]
-        ts: float
-        events: list[Any]
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[misc,call-arg]
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple[Any, ...] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-        session_id: str | None = None
-        lookahead_token_ids: list[list[int]] | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-        group_idx: int | None = None
-        locality: str | None = None
-        ownership: str | None = None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    return {
-        "batch": EventBatch,
-        "BlockStored": BlockStored,
-        "BlockRemoved": BlockRemoved,
-        "AllBlocksCleared": AllBlocksCleared,
+    base = msgspec.defstruct("KVCacheEvent", [], omit_defaults=True, gc=False, tag=True)
+    wire: dict[str, Any] = {
+        "batch": msgspec.defstruct(
+            "EventBatch",
+            [("ts", float), ("events", list[Any]), ("data_parallel_rank", int | None, None)],
+            array_like=True, omit_defaults=True, gc=False,
+        ),
         "encoder": msgspec.msgpack.Encoder(),
     }
+    for event_class in (BlockStored, BlockRemoved, AllBlocksCleared):
+        hints = get_type_hints(event_class)
+        spec = [
+            (item.name, hints[item.name]) if item.default is MISSING else (item.name, hints[item.name], None)
+            for item in fields(event_class)
+        ]
+        wire[event_class.__name__] = msgspec.defstruct(
+            event_class.__name__, spec, bases=(base,), omit_defaults=True, gc=False, tag=True
+        )
+    return wire
 
 
 def _to_wire(event: KVEvent, wire: dict[str, Any]) -> Any:
-    if isinstance(event, BlockStored):
-        return wire["BlockStored"](
-            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
-            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=event.lora_id,
-            medium=event.medium, lora_name=event.lora_name, extra_keys=event.extra_keys,
-            group_idx=event.group_idx, kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window, locality=event.locality,
-            ownership=event.ownership, session_id=event.session_id,
-            lookahead_token_ids=event.lookahead_token_ids,
-        )
-    if isinstance(event, BlockRemoved):
-        return wire["BlockRemoved"](
-            block_hashes=list(event.block_hashes), medium=event.medium, group_idx=event.group_idx,
-            locality=event.locality, ownership=event.ownership,
-        )
-    if isinstance(event, AllBlocksCleared):
-        return wire["AllBlocksCleared"]()
-    raise InputTypeError(f"not a KV event: {type(event).__name__}")
+    if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+        raise InputTypeError(f"not a KV event: {type(event).__name__}")
+    return wire[type(event).__name__](**{item.name: getattr(event, item.name) for item in fields(event)})
 
 
 def encode_batch(events: Sequence[KVEvent], ts: float, data_parallel_rank: int | None = None) -> bytes:
