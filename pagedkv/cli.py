@@ -320,6 +320,12 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "--block-sizes", default=None, help="for --sweep (default 1,2,4,8,16,32,64,128,256)"
     )
     out.add_argument("--windows", default=None, help="for --sweep, e.g. none,256,512 (default none)")
+    out.add_argument(
+        "--kernel-cost", default=None, metavar="PATH",
+        help="for --sweep: the measured attention time per block size (JSON of "
+        "benchmarks/bench_views.py, schema: pagedkv.simulate.kernel), or none to leave it out "
+        "(default: the checkout's benchmarks/results/kernel_block_size.json, else the packaged copy)",
+    )
     out.add_argument("--json", action="store_true", help="print JSON (wall-clock fields under 'timing')")
     simulate.set_defaults(run=_simulate)
 
@@ -354,6 +360,10 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     )
     pics.add_argument(
         "--out", type=output_folder, default=".", help="folder for PNGs (default: the current one)"
+    )
+    pics.add_argument(
+        "--kernel-cost", default=None, metavar="PATH",
+        help="for the sweep picture: measured attention time per block size (as simulate --kernel-cost)",
     )
     pics.add_argument(
         "--all", action="store_true",

@@ -109,6 +109,10 @@ BAD_FLAGS = [
     (["simulate", "--sweep", "--block-sizes", BIG], "the memory budget is smaller than one block"),
     (["simulate", "--sweep", "--windows", "0"], "--windows: '0' is not an int >= 1"),
     (["simulate", "--sweep", "--windows", "-1"], "--windows: '-1' is not an int >= 1"),
+    (["simulate", "--kernel-cost", "none"], "--kernel-cost is for --sweep"),
+    (["simulate", *SMALL, "--sweep", "--kernel-cost", "{folder}/no"], "cannot read the kernel-cost file"),
+    (["simulate", *SMALL, "--sweep", "--kernel-cost", "{file}"], "not JSON (Expecting value at line 1"),
+    (["viz", *SMALL, "--png", "sweep", "--kernel-cost", "{file}"], "not JSON (Expecting value at line 1"),
     (["viz", "--steps", ""], "--steps: '' is not an int >= 0"),
     (["viz", "--steps", "-1"], "--steps: '-1' is not an int >= 0"),
     (["viz", "--steps", "1,x"], "--steps: 'x' is not an int >= 0"),
@@ -193,12 +197,13 @@ def test_a_bad_flag_exits_2_with_one_line_naming_it(
         ["demo", "--tokens", "3", "--seed", BIG],
         ["simulate", *SMALL, "--policies", "paged,paged,all", "--seed", "0", "--arrival-rate", "0.5"],
         ["simulate", *SMALL, "--sweep", "--block-sizes", "4,4,8", "--windows", "none,none,16"],
+        ["simulate", *SMALL, "--sweep", "--block-sizes", "4,8", "--kernel-cost", "none"],
         ["simulate", *SMALL, "--watermark", "0", "--window", BIG, "--max-num-seqs", BIG],
         ["simulate", *SMALL, "--max-model-len", BIG, "--sample-every", BIG],
         ["viz", "--num-requests", "4", "--steps", "1,1,0", "--width", BIG, "--out", "not/yet/made"],
         [*CHECK, "--seed", "-1", "--max-size", "none,none,1-3", "--heads", "all,one", "--scale", "1e300"],
     ],
-    ids=["demo", "simulate", "sweep", "no-limits", "huge-lengths", "viz", "check"],
+    ids=["demo", "simulate", "sweep", "sweep-no-kernel", "no-limits", "huge-lengths", "viz", "check"],
 )
 def test_valid_flags_still_exit_0(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     # Repeats in a list are dropped, as --max-size and --heads always did; huge windows mean "no limit".

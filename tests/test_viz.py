@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from pagedkv.simulate import Budget, PagedEngine, Request, SimConfig, Workload, run_policy, sweep, synthetic
+from pagedkv.simulate.kernel import load_kernel_cost
 from pagedkv.simulate.pagemap import FREE, SHARED, PageMap, capture_page_maps, page_map_text, take_page_map
-from pagedkv.simulate.plots import MissingExtraError, plot_occupancy, plot_page_map, plot_sweep
+from pagedkv.simulate.plots import MissingExtraError, plot_occupancy, plot_page_map
+from pagedkv.simulate.plots_sweep import plot_sweep
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -84,6 +87,7 @@ def test_pngs_are_written(tmp_path: Path) -> None:
     _assert_png(plot_occupancy(paged, contiguous, tmp_path / "sub" / "occupancy.png"))
     rows = sweep(workload, config, [1, 4, 16])
     _assert_png(plot_sweep(rows, tmp_path / "sweep.png"))
+    _assert_png(plot_sweep(rows, tmp_path / "sweep_kernel.png", kernel=load_kernel_cost()))
     assert np.asarray(page_maps[0].owner).dtype == np.int64
 
 
@@ -94,3 +98,44 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp
         plot_page_map(page_maps, tmp_path / "x.png")
     assert issubclass(MissingExtraError, ImportError)
     assert not (tmp_path / "x.png").exists()
+
+
+def _sweep_axes(monkeypatch: pytest.MonkeyPatch, kernel: Any) -> list[Any]:
+    """Draw a tiny sweep and return its axes (the figure is kept from closing)."""
+    import matplotlib.pyplot as plt
+
+    from pagedkv.simulate import plots_sweep
+
+    drawn: list[Any] = []
+    monkeypatch.setattr(plots_sweep, "save_figure", lambda plt, figure, path: drawn.append(figure) or path)
+    workload = synthetic("alpaca", 8, seed=0, max_model_len=256)
+    rows = sweep(workload, SimConfig(Budget(256), block_size=4), [4, 16, 3])
+    plot_sweep(rows, "unused.png", kernel=kernel)
+    (figure,) = drawn
+    axes = list(figure.axes)
+    plt.close(figure)
+    return axes
+
+
+def test_sweep_picture_has_a_kernel_panel_next_to_the_memory_panel(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    kernel = load_kernel_cost()
+    axes = _sweep_axes(monkeypatch, kernel)
+    memory, kernel_ax, what_if = axes[0], axes[1], axes[4]
+    assert memory.get_title().startswith("memory")
+    assert kernel_ax.get_title().startswith("kernel")
+    lines = {line.get_label(): list(line.get_ydata()) for line in kernel_ax.get_lines()}
+    assert lines["gather"] == [point.gather_ms for point in kernel.points]
+    assert lines["views"] == [point.view_ms for point in kernel.points]
+    assert lines["contiguous"] == [point.contiguous_ms for point in kernel.points]
+    # The what-if panel draws only the sweep's measured block sizes (4 and 16, not 3).
+    gather = next(line for line in what_if.get_lines() if line.get_label() == "gather")
+    assert list(gather.get_xdata()) == [4, 16]
+
+
+def test_sweep_picture_without_kernel_cost_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    axes = _sweep_axes(monkeypatch, None)
+    texts = [text.get_text() for text in axes[1].texts]
+    assert texts == ["no kernel cost given\n(--kernel-cost PATH)"]
+    assert not axes[1].get_lines()

@@ -54,6 +54,8 @@ class Clock:
         self.transfer_s = 0.0
         #: Seconds of steps that computed something (the rest is overhead of idle steps).
         self.busy_s = 0.0
+        #: Of ``busy_s``, seconds memory-bound steps spent reading KV (``CostModel.attention_read_time``).
+        self.attention_s = 0.0
 
     def idle_until(self, time_s: float) -> None:
         """Nothing to do until ``time_s`` (the next arrival): jump there, if it is later."""
@@ -67,6 +69,7 @@ class Clock:
         duration = self.cost.step_time(num_tokens, kv_tokens_read, num_attention_pairs, swapped_tokens)
         if num_tokens or swapped_tokens:
             self.busy_s += duration
+            self.attention_s += self.cost.attention_read_time(num_tokens, kv_tokens_read, num_attention_pairs)
         if swapped_tokens:
             self.transfer_s += self.cost.transfer_time(swapped_tokens)
         self.now += duration

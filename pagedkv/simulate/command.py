@@ -21,8 +21,10 @@ from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.simulate.cluster import events_available, format_cluster, run_cluster
 from pagedkv.simulate.config import BudgetError, SimConfig
 from pagedkv.simulate.engine import PagedEngine
+from pagedkv.simulate.kernel import KernelCost
 from pagedkv.simulate.options import (
     build_config,
+    build_kernel_cost,
     build_workload,
     parse_choices,
     parse_list,
@@ -35,11 +37,11 @@ from pagedkv.simulate.plots import (
     MissingExtraError,
     plot_occupancy,
     plot_page_map,
-    plot_sweep,
     pyplot,
     tutorial_figures,
 )
 from pagedkv.simulate.plots_serving import serving_figures
+from pagedkv.simulate.plots_sweep import plot_sweep
 from pagedkv.simulate.progress import Progress, wants_progress
 from pagedkv.simulate.ratesweep import format_rate_sweep, rate_sweep, sustained_rates
 from pagedkv.simulate.report import (
@@ -52,6 +54,7 @@ from pagedkv.simulate.report import (
     stderr_progress,
     sweep,
 )
+from pagedkv.simulate.sweep_kernel import format_kernel_side, sweep_as_dicts
 from pagedkv.simulate.synthetic import DATASETS, synthetic
 from pagedkv.simulate.workload import Workload, WorkloadError
 
@@ -110,7 +113,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    for flag, value in (("--block-sizes", args.block_sizes), ("--windows", args.windows)):
+    flags = (
+        ("--block-sizes", args.block_sizes),
+        ("--windows", args.windows),
+        ("--kernel-cost", args.kernel_cost),
+    )
+    for flag, value in flags:
         if value is not None and not args.sweep:
             raise ConfigError(f"{flag} is for --sweep; add --sweep, or leave {flag} out")
     block_sizes = list(SWEEP_BLOCK_SIZES)
@@ -126,6 +134,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config, model = build_config(args)
     progress = stderr_progress() if _wants_progress(args) else no_progress
     if args.sweep:
+        kernel = build_kernel_cost(args)  # checked before any run: a bad file costs nothing
         baseline = next((p for p in policies if p != "paged"), None)
         rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
         if args.json:
@@ -134,8 +143,10 @@ def _simulate(args: argparse.Namespace) -> int:
                 "config": {
                     "budget_tokens": config.budget.num_tokens,
                     "budget_bytes": config.budget.num_bytes,
+                    "cost": config.cost.describe(),
                 },
-                "sweep": [row.as_dict() for row in rows],
+                "kernel_cost": None if kernel is None else kernel.describe(),
+                "sweep": sweep_as_dicts(rows, kernel),
                 "timing": [row.result.timing() for row in rows],
             }
             print(json.dumps(data, indent=2))
@@ -143,9 +154,9 @@ def _simulate(args: argparse.Namespace) -> int:
             stats = workload.stats()
             print(
                 f"sweep: {stats['source']}, seed {stats['seed']}; the same memory, "
-                f"{config.budget.num_tokens:,} token slots, at every point\n"
+                f"{config.budget.num_tokens:,} token slots, at every point; cost model {config.cost.name}\n"
             )
-            print(format_sweep(rows))
+            print(format_sweep(rows) if kernel is None else format_kernel_side(rows, kernel))
         return 0
     report = simulate(workload, config, policies, model=model, progress=progress)
     if args.json:
@@ -255,8 +266,10 @@ def run_viz(args: argparse.Namespace) -> int:
 
 def _viz(args: argparse.Namespace) -> int:
     if args.all:
+        kernel = build_kernel_cost(args)
         _write_pictures(
-            args.out, lambda: (tutorial_figures(args.out), serving_figures(args.out, SERVING_PICTURES))
+            args.out,
+            lambda: (tutorial_figures(args.out, kernel=kernel), serving_figures(args.out, SERVING_PICTURES)),
         )
         return 0
     kinds = None if args.png is None else parse_choices(args.png, PICTURES, name="--png", what="picture")
@@ -264,7 +277,8 @@ def _viz(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     config, _ = build_config(args)
     if kinds is not None:
-        return _png(kinds, args.out, workload, config)
+        kernel = build_kernel_cost(args) if "sweep" in kinds else None
+        return _png(kinds, args.out, workload, config, kernel)
     if steps is None:
         num_steps = PagedEngine(workload, config).run().num_steps
         steps = _auto_steps(num_steps)
@@ -292,13 +306,17 @@ def _write_pictures(out: str, write: Callable[[], object]) -> None:
         raise ConfigError(f"--out: cannot write into {out!r}: {error.strerror or error}") from None
 
 
-def _png(kinds: Sequence[str], out_dir: str, workload: Workload, config: SimConfig) -> int:
+def _png(
+    kinds: Sequence[str], out_dir: str, workload: Workload, config: SimConfig, kernel: KernelCost | None
+) -> int:
     pyplot()
-    _write_pictures(out_dir, lambda: _plot(kinds, Path(out_dir), workload, config))
+    _write_pictures(out_dir, lambda: _plot(kinds, Path(out_dir), workload, config, kernel))
     return 0
 
 
-def _plot(kinds: Sequence[str], out: Path, workload: Workload, config: SimConfig) -> None:
+def _plot(
+    kinds: Sequence[str], out: Path, workload: Workload, config: SimConfig, kernel: KernelCost | None
+) -> None:
     for kind in kinds:
         if kind in SERVING_PICTURES:
             serving_figures(out, [kind])
@@ -312,5 +330,5 @@ def _plot(kinds: Sequence[str], out: Path, workload: Workload, config: SimConfig
             path = plot_occupancy(paged, contiguous, out / "occupancy.png")
         else:
             rows = sweep(workload, config, list(SWEEP_BLOCK_SIZES))
-            path = plot_sweep(rows, out / "block_size_sweep.png")
+            path = plot_sweep(rows, out / "block_size_sweep.png", kernel=kernel)
         print(f"wrote {os.fspath(path)}")

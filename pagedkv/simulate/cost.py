@@ -116,6 +116,31 @@ class CostModel:
             self.step_overhead_s + max(memory_s, flops / self.peak_flops) + self.transfer_time(swapped_tokens)
         )
 
+    def attention_read_time(
+        self, num_tokens: int, kv_tokens_read: int, num_attention_pairs: int = 0
+    ) -> float:
+        """Seconds of a step's roofline time that reading the KV cache accounts for.
+
+        A memory-bound step spends ``kv_tokens_read x kv_bytes_per_token /
+        memory_bandwidth`` of its time reading KV; a compute-bound step hides
+        the read under its FLOPs, so a slower read would not lengthen it (0).
+        This is the share a slower paged attention kernel could stretch.
+
+        >>> cost = CostModel()
+        >>> round(1000 * cost.attention_read_time(num_tokens=32, kv_tokens_read=32 * 500), 2)
+        8.43
+        >>> cost.attention_read_time(num_tokens=2048, kv_tokens_read=2048)   # a long prefill: compute-bound
+        0.0
+        """
+        if num_tokens == 0:
+            return 0.0
+        shape = self.shape
+        kv_s = kv_tokens_read * shape.bytes_per_token / self.memory_bandwidth
+        flops = 2 * self.num_params * num_tokens + 4 * shape.num_layers * self.d_model * num_attention_pairs
+        if self.weight_bytes / self.memory_bandwidth + kv_s < flops / self.peak_flops:
+            return 0.0
+        return kv_s
+
     def transfer_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` token slots of KV between device and host."""
         return num_tokens * self.shape.bytes_per_token / self.host_bandwidth

@@ -15,6 +15,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.simulate.config import Budget, BudgetError, ModelShape, SimConfig, parse_bytes
 from pagedkv.simulate.conversations import conversations
 from pagedkv.simulate.cost import COST_PRESETS, CostModel
+from pagedkv.simulate.kernel import KernelCost, load_kernel_cost
 from pagedkv.simulate.ratesweep import DEFAULT_RATES
 from pagedkv.simulate.report import POLICIES
 from pagedkv.simulate.router import ROUTERS
@@ -25,6 +26,7 @@ from pagedkv.simulate.workload import Workload, WorkloadError, load_jsonl
 __all__ = [
     "build_config",
     "build_cost",
+    "build_kernel_cost",
     "build_workload",
     "parse_choices",
     "parse_list",
@@ -114,6 +116,18 @@ def build_cost(args: argparse.Namespace) -> CostModel:
         cost_fields["name"] = f"{preset.name} (changed)"
         return dataclasses.replace(preset, **cost_fields)
     return preset
+
+
+def build_kernel_cost(args: argparse.Namespace) -> KernelCost | None:
+    """The measured kernel cost ``--kernel-cost`` names (``none``: None; not given: the default file).
+
+    Raises:
+        KernelCostError: the file is missing, not JSON, or not of the schema.
+    """
+    path = getattr(args, "kernel_cost", None)
+    if path is not None and path.strip().lower() == "none":
+        return None
+    return load_kernel_cost(path)
 
 
 def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:

@@ -5,7 +5,7 @@ it every function raises :class:`MissingExtraError`, naming the extra.
 
 * :func:`plot_page_map`: the page map over time, one row per step;
 * :func:`plot_occupancy`: memory over time, paged vs contiguous;
-* :func:`plot_sweep`: a block-size sweep;
+* :func:`~pagedkv.simulate.plots_sweep.plot_sweep` (its own module): a block-size sweep;
 * :func:`tutorial_figures`: the memory figures of ``docs/tutorial.md``
   (``pagedkv viz --all --out docs/images`` writes these and the serving
   figures of :mod:`pagedkv.simulate.plots_serving`).
@@ -28,7 +28,6 @@ __all__ = [
     "MissingExtraError",
     "plot_occupancy",
     "plot_page_map",
-    "plot_sweep",
     "pyplot",
     "save_figure",
     "tutorial_figures",
@@ -170,76 +169,6 @@ def plot_occupancy(
     return save_figure(plt, figure, path)
 
 
-def plot_sweep(rows: Sequence[Any], path: str | Path, *, title: str = "") -> Path:
-    """A PNG of a block-size sweep (rows from :func:`pagedkv.simulate.sweep`).
-
-    Raises:
-        MissingExtraError: matplotlib is not installed.
-        ConfigError: no paged rows.
-    """
-    paged = [row for row in rows if row.block_size]
-    baseline = [row for row in rows if not row.block_size]
-    if not paged:
-        raise ConfigError("the sweep has no paged rows to plot")
-    plt = pyplot()
-    sizes = [row.block_size for row in paged]
-    results = [row.result for row in paged]
-    figure, axes = plt.subplots(2, 2, figsize=(10, 7.2), constrained_layout=True)
-    ax = axes[0, 0]
-    ax.plot(
-        sizes,
-        [100 * r.occupancy_loaded_mean for r in results],
-        "o-",
-        color="#2e7d32",
-        label="live tokens (mean while requests wait)",
-    )
-    ax.plot(
-        sizes,
-        [100 * r.waste_of_used_mean for r in results],
-        "s-",
-        color="#e53935",
-        label="empty slots in held blocks (% of held)",
-    )
-    if baseline:
-        ax.axhline(
-            100 * baseline[0].result.occupancy_loaded_mean,
-            color="#6d4c41",
-            linestyle="--",
-            label=f"{baseline[0].result.policy}: live tokens",
-        )
-    ax.set_ylabel("% of KV memory")
-    ax.set_title("memory: small blocks waste less", fontsize=10)
-    ax.set_ylim(0, 100)
-    ax.legend(fontsize=8)
-    ax = axes[0, 1]
-    ax.plot(sizes, [r.num_seqs_mean for r in results], "o-", color="#1565c0", label="mean")
-    ax.set_ylabel("sequences running (mean)")
-    ax.set_title("batch size the memory allows", fontsize=10)
-    if baseline:
-        ax.axhline(
-            baseline[0].result.num_seqs_mean, color="#6d4c41", linestyle="--", label=baseline[0].result.policy
-        )
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax = axes[1, 0]
-    ax.plot(sizes, [100 * r.prefix_hit_rate for r in results], "o-", color="#6a1b9a")
-    ax.set_ylabel("prefix cache hit rate (% of prompt tokens)")
-    ax.set_title("sharing: only full blocks can be shared", fontsize=10)
-    ax.set_ylim(0, 100)
-    ax = axes[1, 1]
-    ax.plot(sizes, [r.timing()["simulated_tokens_per_cpu_s"] / 1e3 for r in results], "o-", color="#00838f")
-    ax.set_ylabel("simulated k tokens per CPU second")
-    ax.set_title("this simulator's bookkeeping speed (higher is cheaper)", fontsize=10)
-    ax.set_ylim(bottom=0)
-    for ax in axes.flat:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(s) for s in sizes])
-        ax.set_xlabel("block size (token slots per block)")
-        ax.grid(alpha=0.3)
-    figure.suptitle(title or "The block-size trade-off (same memory at every point)")
-    return save_figure(plt, figure, path)
-
-
 def save_figure(plt: Any, figure: Any, path: str | Path) -> Path:
     """Write ``figure`` to ``path`` (its folder made if missing) and close it."""
     path = Path(path)
@@ -249,14 +178,21 @@ def save_figure(plt: Any, figure: Any, path: str | Path) -> Path:
     return path
 
 
-def tutorial_figures(out_dir: str | Path, *, log: Any = print) -> list[Path]:
+def tutorial_figures(out_dir: str | Path, *, kernel: Any = None, log: Any = print) -> list[Path]:
     """Write the tutorial's figures (fixed settings, see ``docs/tutorial.md``) into ``out_dir``.
+
+    Args:
+        out_dir: the folder.
+        kernel: the measured kernel cost for the sweep's kernel panel (a
+            :class:`~pagedkv.simulate.kernel.KernelCost`; None leaves it out).
+        log: called with a line per file written.
 
     Raises:
         MissingExtraError: matplotlib is not installed.
     """
     pyplot()
     from pagedkv.simulate.config import Budget, ModelShape, SimConfig, parse_bytes
+    from pagedkv.simulate.plots_sweep import plot_sweep  # it imports this module
     from pagedkv.simulate.report import run_policy, sweep
     from pagedkv.simulate.synthetic import synthetic
 
@@ -312,6 +248,7 @@ def tutorial_figures(out_dir: str | Path, *, log: Any = print) -> list[Path]:
         plot_sweep(
             rows,
             out / "block_size_sweep.png",
+            kernel=kernel,
             title="The block-size trade-off: 300 ShareGPT-like requests sharing a "
             "100-token system prompt, 12 GiB",
         )

@@ -310,8 +310,10 @@ def sweep(
     return rows
 
 
-def format_sweep(rows: Sequence[SweepRow]) -> str:
-    """The sweep as a text table, one row per point."""
+def format_sweep(
+    rows: Sequence[SweepRow], extra_columns: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None
+) -> str:
+    """The sweep as a text table, one row per point (``extra_columns``: headers and one cell list per row)."""
     headers = [
         "block_size",
         "window",
@@ -347,4 +349,7 @@ def format_sweep(rows: Sequence[SweepRow]) -> str:
                 f"{result.timing()['simulated_tokens_per_cpu_s']:,.0f}",
             ]
         )
+    if extra_columns is not None:
+        headers += list(extra_columns[0])
+        body = [cells + list(extra) for cells, extra in zip(body, extra_columns[1], strict=True)]
     return table(headers, body)

@@ -92,6 +92,8 @@ class PolicyResult:
         model_s: model seconds until the last step ended (the cost model's time).
         busy_s: of it, seconds of steps that computed something.
         swap_s: of it, seconds spent copying KV to and from the host.
+        attention_s: of ``busy_s``, seconds memory-bound steps spent reading
+            KV (what a slower attention kernel could stretch).
         latency: what requests saw, in model seconds (:mod:`pagedkv.simulate.latency`).
         wall_s: wall-clock seconds of the run (not deterministic).
         cpu_s: CPU seconds this process spent on it (steadier than wall time
@@ -137,6 +139,7 @@ class PolicyResult:
     model_s: float = 0.0
     busy_s: float = 0.0
     swap_s: float = 0.0
+    attention_s: float = 0.0
     latency: Latency = field(default_factory=Latency)
     wall_s: float = field(default=0.0, compare=False)
     cpu_s: float = field(default=0.0, compare=False)
@@ -253,6 +256,7 @@ class Accumulator:
             result.model_s = clock.now
             result.busy_s = clock.busy_s
             result.swap_s = clock.transfer_s
+            result.attention_s = clock.attention_s
             result.latency = summarize(clock.records, num_generated_tokens=result.num_generated_tokens)
         steps, samples = max(1, self._num_steps), max(1, self._num_samples)
         sums = self._sums
