@@ -12,9 +12,9 @@ written before each call), BLAS pinned to one thread, medians. Rows:
 
 (a) one cache at 1k / 4k / 16k tokens; (b) a batch of 64 sequences x 1024
 tokens (the manager's loop); (c) prefill chunks of 128 tokens; (d) a windowed
-cache (``max_size=1024``): per-token time late in a 64k stream vs in a 1k one,
-blocks held; (e) mapping costs; (f) areas and RSS of a 64-sequence x 4-layer
-pool; (g) the block-size sweep at 4k tokens, also written to
+cache (``max_size=1024``): per-token time late in a 64k stream vs a young cache's,
+in turns, blocks held; (e) mapping costs; (f) areas and RSS of a 64-sequence x 4-layer
+pool at 1024 tokens; (g) the block-size sweep at 4k tokens, also written to
 ``benchmarks/results/kernel_block_size.json``. Outputs are checked bit for
 bit between views and gather. Nothing is asserted about time.
 
@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from pagedkv import KVCache, KVPool
 from pagedkv.attention import attend_dense
 from pagedkv.block_table import BlockTable
 from pagedkv.paged_attention import attend_sequence
+from pagedkv.vmem import map_budget
 
 Array = npt.NDArray[np.float32]
 H, D, BS = 8, 128, 16
@@ -52,14 +52,27 @@ RESULTS = Path(__file__).parent / "results" / "kernel_block_size.json"
 
 
 def median_ms(run: Callable[[], object], repeats: int, flush: Flusher | None) -> float:
-    samples = []
+    return interleaved_ms({"run": run}, repeats, flush)["run"]
+
+
+def interleaved_ms(
+    rows: dict[str, Callable[[], object]], repeats: int, flush: Flusher | None
+) -> dict[str, float]:
+    """Median milliseconds of each row, the rows taking turns within every repeat.
+
+    NOTE: round-robin, not one row after another: on a box shared with other
+    jobs the load drifts over seconds, and turns put every row of a ratio
+    under the same load.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
-        if flush is not None:
-            flush()
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for name, run in rows.items():
+            if flush is not None:
+                flush()
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def interleaved_tables(
@@ -124,7 +137,7 @@ def decode_rows(
         rows[mode] = run
     if not all(np.array_equal(a, b) for a, b in zip(outs["views"], outs["gather"])):
         raise AssertionError("views and gather differ")
-    result = {name: median_ms(run, repeats, flush) for name, run in rows.items()}
+    result = interleaved_ms(rows, repeats, flush)
     result["best contiguous"] = min(result["contiguous attend_dense"], result["contiguous einsum"])
     return result
 
@@ -142,61 +155,126 @@ def ratio_table(title: str, results: dict[str, dict[str, float]]) -> None:
 def prefill_rows(num_tokens: int, chunk: int, repeats: int, flush: Flusher) -> dict[str, float]:
     pools = paged_pools(2, num_tokens)
     queries = np.random.default_rng(2).standard_normal((chunk, H, D), dtype=np.float32)
-    res = {}
+    rows: dict[str, Callable[[], object]] = {}
     for mode, (pool, tables) in pools.items():
 
         def run(pool: KVPool = pool, table: BlockTable = tables[0]) -> Array:
             return attend_sequence(pool, 0, table, None, queries, SCALE)
 
-        res[mode] = median_ms(run, repeats, flush)
-    return res
+        rows[mode] = run
+    return interleaved_ms(rows, repeats, flush)
 
 
-def windowed(num_tokens: int, window: int) -> tuple[float, int, int]:
-    """µs per token over the last 256 tokens of a stream on a shared views pool; max blocks held; maps."""
-    pool = KVPool(2 * window // BS + 8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32)
-    other = KVCache(pool=pool)  # takes blocks in between early on, so the window is fragmented
-    cache = KVCache(window, pool=pool, scale=SCALE)
-    rng = np.random.default_rng(3)
-    kv = rng.standard_normal((512, H, D), dtype=np.float32)
-    held, times = 0, []
+def windowed(num_tokens: int, window: int) -> tuple[float, float, int, int]:
+    """µs per token of a young and of an old windowed cache, stepped in turns on one shared views pool.
+
+    The old cache streams ``num_tokens`` tokens; the young one is closed and
+    made again every ``2 * window`` tokens, and timed only while its window
+    is full, so both time the same work (full windows) under the same load.
+    The old one is timed over its last quarter. Returns their median µs per
+    token, the most blocks the old one held, and the blocks mapped.
+    """
+    pool = KVPool(4 * window // BS + 16, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32)
+    other = KVCache(pool=pool)  # takes blocks in between early on, so the windows are fragmented
+    old = KVCache(window, pool=pool, scale=SCALE)
+    young = KVCache(window, pool=pool, scale=SCALE)
+    kv = np.random.default_rng(3).standard_normal((512, H, D), dtype=np.float32)
+    held, young_times, old_times = 0, [], []
     for t in range(num_tokens):
         x = kv[t % 512]
         if t < 64:
             other.attend(x, x, x)
+        if t % (2 * window) == 0 and t:
+            young.close()
+            young = KVCache(window, pool=pool, scale=SCALE)
         start = time.perf_counter()
-        cache.attend(x, x, x)
-        if t >= num_tokens - 256:
-            times.append(time.perf_counter() - start)
-        held = max(held, cache.num_blocks)
-    return statistics.median(times) * 1e6, held, pool.view_stats.num_maps
+        young.attend(x, x, x)
+        if t % (2 * window) >= window:
+            young_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        old.attend(x, x, x)
+        if t >= num_tokens * 3 // 4:
+            old_times.append(time.perf_counter() - start)
+        held = max(held, old.num_blocks)
+    return (statistics.median(young_times) * 1e6, statistics.median(old_times) * 1e6, held,
+            pool.view_stats.num_maps)
 
 
-def mapping_costs(repeats: int) -> tuple[float, float]:
-    """µs per newly mapped block, and µs of a decode step's view sync when nothing changed."""
+def mapping_costs(repeats: int) -> tuple[float, float, float]:
+    """µs per newly mapped block, per read of an unchanged 1k-token table, per read after a new block."""
     pool = KVPool(4097, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32)
-    t = interleaved_tables(pool, 1, 1024, np.random.default_rng(4))[0]
+    t = interleaved_tables(pool, 2, 1024, np.random.default_rng(4))[0]
     start = time.perf_counter()
     pool.read(0, t, [(0, 1024)])
     per_block = (time.perf_counter() - start) / (2 * 64) * 1e6  # keys and values, 64 blocks each
-    sync = median_ms(lambda: pool.read(0, t, [(0, 1024)]), repeats, None) * 1e3
-    return per_block, sync
+    num_reads = 2000
+
+    def unchanged() -> None:
+        for _ in range(num_reads):
+            pool.read(0, t, [(0, 1024)])
+
+    sync = median_ms(unchanged, repeats, None) * 1e3 / num_reads
+    steps = []
+    for _ in range(32):  # each step: one more block (a decode step that crosses a block boundary)
+        t.append(BS, [pool.allocator.allocate_one()])
+        begin = time.perf_counter()
+        pool.read(0, t, [(0, t.num_tokens)])
+        steps.append(time.perf_counter() - begin)
+    return per_block, sync, statistics.median(steps) * 1e6
 
 
-def areas_and_rss(num_seqs: int, num_layers: int, num_tokens: int) -> tuple[int, int, int, float]:
-    """Blocks mapped, areas in /proc/self/maps before and after, RSS (MiB) of a many-layer pool read once."""
+def memory_kib() -> dict[str, int]:
+    """Rss, Pss and Shmem of this process now, in KiB (``/proc/self/smaps_rollup``)."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            name, _, rest = line.partition(":")
+            if name in ("Rss", "Pss", "Shmem") or name.startswith("Pss_"):
+                fields[name] = int(rest.split()[0])
+    return fields
+
+
+def num_areas() -> int:
     with open("/proc/self/maps") as maps:
-        before = sum(1 for _ in maps)
+        return sum(1 for _ in maps)
+
+
+def areas_and_rss(num_seqs: int, num_layers: int, num_tokens: int) -> dict[str, float]:
+    """A ``num_seqs`` x ``num_layers`` pool at ``num_tokens`` each, every table read once per layer.
+
+    Returns blocks mapped, memory areas (``/proc/self/maps`` lines) and the
+    budget's count before and after the reads, and Rss / Pss (MiB) after
+    filling the pages, after mapping them, and after reading every page
+    through the views: Rss counts a page once per mapping that touched it, so
+    reading through views doubles it; Pss, the memory actually used, does not.
+    """
     blocks = num_seqs * num_tokens // BS
     pool = KVPool(blocks, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32, num_layers=num_layers)
     tables = interleaved_tables(pool, num_seqs, num_tokens, np.random.default_rng(5))
+    filled, areas_before, budget_before = memory_kib(), num_areas(), map_budget().num_used
     for t in tables:
         for layer in range(num_layers):
             pool.read(layer, t, [(0, num_tokens)])
-    with open("/proc/self/maps") as maps:
-        after = sum(1 for _ in maps)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return pool.num_mapped_blocks, before, after, rss
+    mapped = memory_kib()
+    for t in tables:  # touch every page of every view once (a token's H x d values are one page here)
+        for layer in range(num_layers):
+            keys, values = pool.read(layer, t, [(0, num_tokens)])
+            float(keys[:, 0, 0].sum() + values[:, 0, 0].sum())
+    read = memory_kib()
+    return {
+        "mapped_blocks": pool.num_mapped_blocks,
+        "areas_before": areas_before,
+        "areas_after": num_areas(),
+        "budget_used": map_budget().num_used - budget_before,
+        "budget_limit": map_budget().limit,
+        "page_file_mib": 2 * num_layers * blocks * BS * H * D * 4 / 2**20,
+        "rss_filled_mib": filled["Rss"] / 1024,
+        "rss_mapped_mib": mapped["Rss"] / 1024,
+        "pss_filled_mib": filled["Pss"] / 1024,
+        "pss_mapped_mib": mapped["Pss"] / 1024,
+        "rss_read_mib": read["Rss"] / 1024,
+        "pss_read_mib": read["Pss"] / 1024,
+    }
 
 
 def sweep(block_sizes: list[int], repeats: int, flush: Flusher) -> dict[str, list[float]]:
@@ -256,23 +334,27 @@ def main() -> None:
             )
         )
         long = 16384 if args.quick else 65536
-        short_us, _, _ = windowed(1024, 1024)
-        long_us, long_held, maps = windowed(long, 1024)
+        young_us, old_us, held, maps = windowed(long, 1024)
         print(
-            f"\n(d) windowed cache max_size=1024 on a shared views pool: {short_us:.0f} µs/token at 1k, "
-            f"{long_us:.0f} µs/token at {long // 1024}k ({long_us / short_us:.2f}x); blocks held at most "
-            f"{long_held} (ceil(1024/16) + 1 = {math.ceil(1024 / BS) + 1}); "
-            f"{maps} blocks mapped over the stream"
+            f"\n(d) windowed caches max_size=1024 on a shared views pool, stepped in turns: "
+            f"{young_us:.0f} µs/token for one never older than 2k tokens, {old_us:.0f} µs/token late in a "
+            f"{long // 1024}k stream ({old_us / young_us:.2f}x); blocks held at most {held} "
+            f"(ceil(1024/16) + 1 = {math.ceil(1024 / BS) + 1}); {maps} blocks mapped over both streams"
         )
-        per_block, sync = mapping_costs(repeats)
+        per_block, sync, grown = mapping_costs(repeats)
         print(
             f"\n(e) mapping: {per_block:.1f} µs per newly mapped block (first read of a 1k-token table, "
-            f"K and V); {sync:.1f} µs per decode-step sync of an unchanged 1k-token table"
+            f"K and V); {sync:.1f} µs per read of an unchanged 1k-token table (a decode step within a "
+            f"block); {grown:.1f} µs per read after a new block (K and V mapped)"
         )
-        mapped, before, after, rss = areas_and_rss(64, 4, 256)
+        mem = areas_and_rss(64, 4, 1024)
         print(
-            f"\n(f) 64 sequences x 4 layers x 256 tokens: {mapped} blocks mapped, /proc/self/maps "
-            f"{before} -> {after} lines, peak RSS {rss:.0f} MiB"
+            f"\n(f) 64 sequences x 4 layers x 1024 tokens ({mem['page_file_mib']:.0f} MiB of pages): "
+            f"{mem['mapped_blocks']:.0f} blocks mapped; /proc/self/maps {mem['areas_before']:.0f} -> "
+            f"{mem['areas_after']:.0f} lines; map budget {mem['budget_used']:.0f} areas charged of "
+            f"{mem['budget_limit']:.0f}; filled -> mapped -> read through the views: Rss "
+            f"{mem['rss_filled_mib']:.0f} -> {mem['rss_mapped_mib']:.0f} -> {mem['rss_read_mib']:.0f} MiB, "
+            f"Pss {mem['pss_filled_mib']:.0f} -> {mem['pss_mapped_mib']:.0f} -> {mem['pss_read_mib']:.0f} MiB"
         )
         print("\n(g) block-size sweep, one sequence of 4096 tokens")
         result = sweep([1, 2, 4, 8, 16, 32, 64, 128, 256], repeats, flush)

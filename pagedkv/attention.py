@@ -16,12 +16,16 @@ __all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_pa
 #: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
 #:
 #: NOTE: OpenBLAS's gemv streams keys slowly once they leave the cache, and
-#: einsum's contiguous inner loops win from 8 MiB of keys on, warm or cold;
-#: below that warm keys favour BLAS. The figures and the machine are in
-#: ``benchmarks/bench_layout.py`` (which measured this switch). The choice
+#: einsum wins on cold keys from about 1 MiB on (256 tokens at H=8, d=128,
+#: float32) and on any keys from 8 MiB on; below 8 MiB, warm keys favour
+#: BLAS (up to 2x at 1k tokens). The switch sits at 4 MiB (1k tokens of that
+#: shape): a serving cache's keys are cold by the time their layer runs
+#: again, and there einsum measured 1.2-1.3x faster over 64 sequences x 1024
+#: tokens (``benchmarks/bench_views.py``, docs/paging.md). The figures of
+#: the earlier 8 MiB switch are in ``benchmarks/bench_layout.py``. The choice
 #: depends only on the shape and dtype, so the paged path and the no-cache
 #: recompute always run the same arithmetic and stay equal bit for bit.
-EINSUM_MIN_BYTES = 1 << 23
+EINSUM_MIN_BYTES = 1 << 22
 
 
 def softmax_rows(

@@ -86,8 +86,10 @@ class KVCache:
         scale: multiplies every score; ``1.0`` is the seed's plain dot product,
             ``1 / sqrt(head_dim)`` the transformer's.
         key_dtype: how keys are stored: None (in ``dtype``; the default, or
-            the pool's), ``"int8"`` or ``"float8_e4m3"`` (the ``fp8`` extra);
-            see :mod:`pagedkv.quantization`. ``dtype`` stays the compute dtype.
+            the pool's), ``"int8"``, ``"float8_e4m3"``, ``"float16"`` or
+            ``"bfloat16"`` (these two without scales; fp8 and bfloat16 need
+            the ``fp8`` extra); see :mod:`pagedkv.quantization`. ``dtype``
+            stays the compute dtype.
         value_dtype: the same for values.
 
     Raises:
@@ -143,8 +145,9 @@ class KVCache:
                 checked = getattr(pool, name)
             storage.append(checked)
         self._key_dtype, self._value_dtype = storage
-        if pool is None and "float8_e4m3" in storage:
-            storage_format("float8_e4m3", 1)  # fail now, naming the fp8 extra, not at the first attend
+        for chosen in storage if pool is None else ():
+            if chosen is not None:
+                storage_format(chosen, 1)  # fail now (naming the fp8 extra), not at the first attend
         self._scale = check_scale(scale)
         self._block_size = block_size
         self._dtype = resolved

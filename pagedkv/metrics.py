@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pagedkv.block_table import BlockTable
 from pagedkv.occupancy import count_live_slots
 from pagedkv.sequence import SequenceState
+from pagedkv.vmem import map_budget
 
 if TYPE_CHECKING:
     from pagedkv.pool import KVPool
@@ -63,6 +64,20 @@ class ManagerMetrics:
             and values of every layer, quantization scales included
             (``KVPool.bytes_per_token``; 8192 for 8 heads of 128 float32
             values, 2304 with int8 keys and values).
+        view_mode: how the device pool reads fragmented tables: ``"views"``
+            (mapped page views) or ``"gather"`` (copied into scratch); see
+            docs/paging.md.
+        num_view_reads: device pool reads served by a mapped view.
+        num_gather_reads: reads of a views pool that gathered instead (sinks,
+            the map budget, a refused mapping); 0 for a gather pool, whose
+            reads are not counted.
+        num_view_maps: blocks mapped into views since the pool was made.
+        num_view_fallbacks: reads the map budget or the kernel refused (they gathered).
+        num_mapped_blocks: blocks mapped into the device pool's views now.
+        num_map_areas_used: memory areas page views hold now, across every
+            pool of the process (the budget is process-wide).
+        map_area_limit: the most areas page views may hold
+            (``vm.max_map_count`` less a headroom).
     """
 
     num_blocks: int
@@ -91,8 +106,16 @@ class ManagerMetrics:
     num_prefix_evictions: int
     num_resumed_reuse_tokens: int
     bytes_per_token: int
+    view_mode: str
+    num_view_reads: int
+    num_gather_reads: int
+    num_view_maps: int
+    num_view_fallbacks: int
+    num_mapped_blocks: int
+    num_map_areas_used: int
+    map_area_limit: int
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | str]:
         """The metrics as a plain dict (for JSON)."""
         return asdict(self)
 
@@ -122,6 +145,7 @@ def collect_metrics(
     num_live_slots, _ = count_live_slots(running, pool.allocator)
     used = pool.num_used_blocks
     num_queries = counters["prefix_queries"]
+    views, budget = pool.view_stats, map_budget()
     return ManagerMetrics(
         num_blocks=pool.num_blocks,
         num_used_blocks=used,
@@ -149,4 +173,12 @@ def collect_metrics(
         num_prefix_evictions=num_prefix_evictions,
         num_resumed_reuse_tokens=counters["resumed_reuse"],
         bytes_per_token=pool.bytes_per_token,
+        view_mode=pool.view_mode,
+        num_view_reads=views.num_view_reads,
+        num_gather_reads=views.num_gather_reads,
+        num_view_maps=views.num_maps,
+        num_view_fallbacks=views.num_fallbacks,
+        num_mapped_blocks=pool.num_mapped_blocks,
+        num_map_areas_used=budget.num_used,
+        map_area_limit=budget.limit,
     )

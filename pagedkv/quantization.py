@@ -1,13 +1,19 @@
-"""Quantized pages: keys and values stored in 8 bits, dequantized inside attention.
+"""Quantized pages: keys and values stored in 8 or 16 bits, widened inside attention.
 
 A pool may store keys and values (separately, as llama.cpp allows) as
 
 * ``"int8"``: symmetric, ``x ≈ code * scale`` with ``code`` in ``-127 .. 127``;
 * ``"float8_e4m3"``: ``x ≈ fp8(x / scale) * scale`` in ml_dtypes'
   ``float8_e4m3fn`` (finite, max 448: the format NVIDIA, vLLM and FlashInfer
-  use), behind the ``fp8`` extra.
+  use), behind the ``fp8`` extra;
+* ``"float16"`` / ``"bfloat16"``: the nearest numpy ``float16`` / ml_dtypes
+  ``bfloat16`` (the ``fp8`` extra), no scales: how models ship their weights
+  and caches. Widening back to float32 is exact, so only the storing rounds.
 
-One scale per **group of** ``GROUP_SIZE`` **consecutive head_dim values** of
+The compute dtype (``KVPool(dtype=...)``, float32 or float64) stays what
+attention computes in, whichever storage dtype is chosen.
+
+For int8 and fp8, one scale per **group of** ``GROUP_SIZE`` **consecutive head_dim values** of
 each token and head, ``scale = max|x| / max_code`` over the group, stored in
 the compute dtype (float32 or float64)::
 
@@ -53,6 +59,7 @@ from pagedkv.errors import ConfigError, InputTypeError
 __all__ = [
     "CHUNK_TOKENS",
     "GROUP_SIZE",
+    "SCALE_FREE_DTYPES",
     "STORAGE_DTYPES",
     "QuantizedTokens",
     "StorageFormat",
@@ -61,14 +68,15 @@ __all__ = [
     "attend_chunked_masked",
     "bytes_per_token",
     "check_storage_dtype",
-    "run_tokens",
     "storage_format",
-    "take_tokens",
-    "write_tokens",
 ]
 
-#: The quantized storage dtypes; ``None`` stores keys or values unquantized.
-STORAGE_DTYPES = ("int8", "float8_e4m3")
+#: The storage dtypes; ``None`` stores keys or values in the compute dtype.
+STORAGE_DTYPES = ("int8", "float8_e4m3", "float16", "bfloat16")
+
+#: Storage dtypes that are narrower floats, without scales: a value is stored
+#: as the nearest float16 / bfloat16 and read back exactly.
+SCALE_FREE_DTYPES = ("float16", "bfloat16")
 
 #: Values of head_dim sharing one scale (or the largest divisor of head_dim below it).
 GROUP_SIZE = 32
@@ -76,11 +84,11 @@ GROUP_SIZE = 32
 #: Tokens dequantized at a time by attention (see benchmarks/bench_quant_snapshot.py).
 CHUNK_TOKENS = 1024
 
-_MAX_CODE = {"int8": 127.0, "float8_e4m3": 448.0}
+_MAX_CODE = {"int8": 127.0, "float8_e4m3": 448.0, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
 def check_storage_dtype(name: str, value: object) -> str | None:
-    """Validate a ``key_dtype``/``value_dtype`` option: None, ``"int8"`` or ``"float8_e4m3"``.
+    """Validate a ``key_dtype``/``value_dtype`` option: None or one of ``STORAGE_DTYPES``.
 
     Raises:
         InputTypeError: not a string or None.
@@ -98,15 +106,21 @@ def check_storage_dtype(name: str, value: object) -> str | None:
     return value
 
 
-def _float8_dtype() -> np.dtype[Any]:
+def _ml_dtype(name: str) -> np.dtype[Any]:
+    """ml_dtypes' ``float8_e4m3fn`` or ``bfloat16``, or an ImportError naming the ``fp8`` extra."""
     try:
         import ml_dtypes
     except ImportError as error:
         raise ImportError(
-            'float8_e4m3 storage needs the ml_dtypes package: pip install "pagedkv[fp8]"'
+            f'{name} storage needs the ml_dtypes package: pip install "pagedkv[fp8]"'
         ) from error
-    code_dtype: np.dtype[Any] = np.dtype(ml_dtypes.float8_e4m3fn)
+    code_dtype: np.dtype[Any] = np.dtype(
+        ml_dtypes.float8_e4m3fn if name == "float8_e4m3" else ml_dtypes.bfloat16)
     return code_dtype
+
+
+def _float8_dtype() -> np.dtype[Any]:
+    return _ml_dtype("float8_e4m3")
 
 
 _FP8_VALUES: dict[np.dtype[Any], npt.NDArray[np.floating]] = {}
@@ -128,15 +142,19 @@ def _group_size(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class StorageFormat:
-    """How one side (keys or values) of a pool is stored: codes plus a scale per group.
+    """How one side (keys or values) of a pool is stored: codes plus a scale per group, or narrow floats.
 
     Attributes:
-        name: ``"int8"`` or ``"float8_e4m3"``.
+        name: one of ``STORAGE_DTYPES``.
         head_dim: values per head.
-        group_size: values sharing one scale; divides ``head_dim``.
-        code_dtype: ``int8`` or ml_dtypes' ``float8_e4m3fn``.
-        max_code: the largest code magnitude, 127 or 448; a group's largest
-            value maps onto it.
+        group_size: values sharing one scale; divides ``head_dim`` (the whole
+            head for a scale-free format).
+        code_dtype: ``int8``, ml_dtypes' ``float8_e4m3fn``, ``float16`` or
+            ml_dtypes' ``bfloat16``.
+        max_code: the largest code magnitude (127, 448, or the largest
+            finite float16 / bfloat16); a group's largest value maps onto it.
+        scaled: False for float16 and bfloat16, whose codes are the values
+            themselves, rounded to the nearest representable one: no scales.
     """
 
     name: str
@@ -144,11 +162,12 @@ class StorageFormat:
     group_size: int
     code_dtype: np.dtype[Any]
     max_code: float
+    scaled: bool = True
 
     @property
     def num_groups(self) -> int:
-        """Scales per token per head."""
-        return self.head_dim // self.group_size
+        """Scales per token per head (0 for a scale-free format)."""
+        return self.head_dim // self.group_size if self.scaled else 0
 
     def bytes_per_head(self, dtype: np.dtype[Any]) -> int:
         """Bytes one token's head takes: its codes plus its scales in ``dtype``."""
@@ -162,8 +181,15 @@ class StorageFormat:
         Returns:
             ``(codes (..., head_dim), scales (..., num_groups))``, new arrays.
             Elementwise given each group's maximum, so a token's codes never
-            depend on which other tokens are quantized with it.
+            depend on which other tokens are quantized with it. A scale-free
+            format rounds each value to the nearest code (past ``max_code``
+            it is infinite, as the format has no larger value) and returns
+            scales of ``num_groups == 0`` values.
         """
+        if not self.scaled:
+            with np.errstate(over="ignore"):
+                narrow = x.astype(self.code_dtype)
+            return narrow, np.empty((*x.shape[:-1], 0), x.dtype)
         groups = x.reshape(*x.shape[:-1], self.num_groups, self.group_size)
         scales = np.abs(groups).max(axis=-1) / x.dtype.type(self.max_code)  # (..., num_groups)
         divisors = np.where(scales > 0, scales, x.dtype.type(1))
@@ -177,9 +203,18 @@ class StorageFormat:
         return codes, scales
 
     def dequantize(
-        self, codes: npt.NDArray[Any], scales: npt.NDArray[np.floating], dtype: np.dtype[Any]
+        self, codes: npt.NDArray[Any], scales: npt.NDArray[np.floating] | None, dtype: np.dtype[Any]
     ) -> npt.NDArray[np.floating]:
-        """``code * scale`` per value, as a new contiguous ``(..., head_dim)`` array of ``dtype``."""
+        """``code * scale`` per value, as a new contiguous ``(..., head_dim)`` array of ``dtype``.
+
+        A scale-free format ignores ``scales`` (None is fine): its codes are
+        widened exactly (every float16 and bfloat16 is a float32).
+        """
+        if not self.scaled:
+            widened: npt.NDArray[np.floating] = codes.astype(dtype)
+            return widened
+        if scales is None:
+            raise ConfigError(f"{self.name} codes need their scales")
         shape = codes.shape
         groups = codes.reshape(*shape[:-1], self.num_groups, self.group_size)
         if self.name == "int8":
@@ -201,7 +236,11 @@ class StorageFormat:
 
         Equal to the maximum over each group of ``|dequantize(...)|``, bit for
         bit (rounding is monotonic). fp8 codes may come as their uint8 bytes.
+        A scale-free format has one group spanning the head: ``(..., 1)``.
         """
+        if not self.scaled:
+            whole: npt.NDArray[np.floating] = np.abs(codes.astype(dtype)).max(axis=-1, keepdims=True)
+            return whole
         groups = codes.reshape(*codes.shape[:-1], self.num_groups, self.group_size)
         if self.name == "int8":
             largest = np.maximum(groups.max(axis=-1).astype(dtype), -groups.min(axis=-1).astype(dtype))
@@ -217,11 +256,17 @@ def storage_format(name: str, head_dim: int) -> StorageFormat:
 
     Raises:
         ConfigError, InputTypeError: an unknown name.
-        ImportError: ``"float8_e4m3"`` without ml_dtypes (the ``fp8`` extra).
+        ImportError: ``"float8_e4m3"`` or ``"bfloat16"`` without ml_dtypes (the ``fp8`` extra).
+
+    >>> storage_format("float16", head_dim=4).num_groups
+    0
     """
     name = check_storage_dtype("storage dtype", name) or ""
     if not name:
-        raise ConfigError("storage dtype must be 'int8' or 'float8_e4m3'")
+        raise ConfigError(f"storage dtype must be one of {STORAGE_DTYPES}")
+    if name in SCALE_FREE_DTYPES:
+        code_dtype = np.dtype(np.float16) if name == "float16" else _ml_dtype(name)
+        return StorageFormat(name, head_dim, head_dim, code_dtype, _MAX_CODE[name], scaled=False)
     code_dtype = np.dtype(np.int8) if name == "int8" else _float8_dtype()
     return StorageFormat(name, head_dim, _group_size(head_dim), code_dtype, _MAX_CODE[name])
 
@@ -247,8 +292,10 @@ def bytes_per_token(
     for name in (key_dtype, value_dtype):
         if name is None:
             total += head_dim * compute.itemsize
+        elif name in SCALE_FREE_DTYPES:
+            total += head_dim * 2  # float16 and bfloat16: two bytes a value, no scales
         else:
-            code_size = 1  # both formats store one byte per value
+            code_size = 1  # int8 and fp8 store one byte per value
             total += head_dim * code_size + (head_dim // _group_size(head_dim)) * compute.itemsize
     return num_layers * num_kv_heads * total
 
@@ -260,12 +307,13 @@ class QuantizedTokens:
     Attributes:
         codes: ``(num_kv_heads, num_tokens, head_dim)`` (often a transposed
             view of token-major pages; any strides).
-        scales: ``(num_kv_heads, num_tokens, num_groups)``, the same.
+        scales: ``(num_kv_heads, num_tokens, num_groups)``, the same; None
+            for a scale-free format (float16, bfloat16).
         storage: how to turn them back into floats.
     """
 
     codes: npt.NDArray[Any]
-    scales: npt.NDArray[np.floating]
+    scales: npt.NDArray[np.floating] | None
     storage: StorageFormat
 
     @property
@@ -276,73 +324,12 @@ class QuantizedTokens:
 
     def dequantize(self, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
         """Tokens ``start .. end - 1`` as a new ``(num_kv_heads, end - start, head_dim)`` array."""
-        return self.storage.dequantize(self.codes[:, start:end], self.scales[:, start:end], dtype)
+        scales = None if self.scales is None else self.scales[:, start:end]
+        return self.storage.dequantize(self.codes[:, start:end], scales, dtype)
 
 
 #: Keys or values as attention reads them: floats, or codes and scales.
 Tokens = npt.NDArray[np.floating] | QuantizedTokens
-
-
-# ------------------------------------------------------- storage in the pool
-#
-# A pool side (keys or values of one layer) is ``store`` ``(num_blocks,
-# block_size, num_kv_heads, head_dim)`` of floats or codes, token-major, and,
-# when quantized, ``scales`` ``(num_blocks, block_size, num_kv_heads,
-# num_groups)``. What these return is head-major ``(num_kv_heads, num_tokens,
-# ...)``, as the chunked kernels read it (transposed views where they can be).
-
-
-def run_tokens(
-    store: npt.NDArray[Any],
-    scales: npt.NDArray[np.floating] | None,
-    storage: StorageFormat | None,
-    first_id: int,
-    num_blocks: int,
-    lo: int,
-    hi: int,
-) -> Tokens:
-    """Tokens ``lo .. hi - 1`` of the ``num_blocks`` blocks from ``first_id`` on (views)."""
-    _, block_size, heads, head_dim = store.shape
-    run = store[first_id : first_id + num_blocks]
-    codes: npt.NDArray[Any] = run.reshape(num_blocks * block_size, heads, head_dim)[lo:hi].transpose(1, 0, 2)
-    if storage is None or scales is None:
-        return codes
-    run_scales = scales[first_id : first_id + num_blocks].reshape(num_blocks * block_size, heads, -1)
-    return QuantizedTokens(codes, run_scales[lo:hi].transpose(1, 0, 2), storage)
-
-
-def take_tokens(
-    store: npt.NDArray[Any],
-    scales: npt.NDArray[np.floating] | None,
-    storage: StorageFormat | None,
-    slots: npt.NDArray[np.intp],
-) -> Tokens:
-    """Tokens at ``slots`` (``block_id * block_size + offset``), in order (new arrays, transposed)."""
-    num_blocks, block_size, heads, head_dim = store.shape
-    flat = store.reshape(num_blocks * block_size, heads, head_dim)
-    codes: npt.NDArray[Any] = np.take(flat, slots, axis=0).transpose(1, 0, 2)
-    if storage is None or scales is None:
-        return codes
-    flat_scales = scales.reshape(num_blocks * block_size, heads, -1)
-    return QuantizedTokens(codes, np.take(flat_scales, slots, axis=0).transpose(1, 0, 2), storage)
-
-
-def write_tokens(
-    store: npt.NDArray[Any],
-    scales: npt.NDArray[np.floating] | None,
-    storage: StorageFormat | None,
-    slots: npt.NDArray[np.intp],
-    tokens: npt.NDArray[np.floating],
-) -> None:
-    """Store ``tokens`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots, quantizing them."""
-    num_blocks, block_size, heads, head_dim = store.shape
-    flat = store.reshape(num_blocks * block_size, heads, head_dim)
-    if storage is None or scales is None:
-        flat[slots] = tokens
-        return
-    codes, token_scales = storage.quantize(tokens)  # (n, heads, head_dim), (n, heads, num_groups)
-    flat[slots] = codes
-    scales.reshape(num_blocks * block_size, heads, -1)[slots] = token_scales
 
 
 def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:

@@ -46,8 +46,9 @@ def attend_window(
         values: one value per token, shaped like the keys.
         scale: multiplies every score.
         dtype: the dtype the cache stores and computes in.
-        key_dtype: the cache's key storage (None, ``"int8"``, ``"float8_e4m3"``):
-            the keys are quantized as the cache stores them.
+        key_dtype: the cache's key storage (None, ``"int8"``, ``"float8_e4m3"``,
+            ``"float16"``, ``"bfloat16"``): the keys are stored as the cache
+            stores them.
         value_dtype: the same for values.
 
     Returns:
@@ -79,7 +80,7 @@ def _quantized(dense: npt.NDArray[Any], name: str | None) -> Tokens:
         return dense
     storage = storage_format(name, dense.shape[-1])
     codes, scales = storage.quantize(dense)
-    return QuantizedTokens(codes, scales, storage)
+    return QuantizedTokens(codes, scales if storage.scaled else None, storage)
 
 
 def recompute(

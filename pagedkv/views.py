@@ -108,23 +108,74 @@ class _Range:
         self.num_charged = 0
 
 
+#: What a table's window looked like when its views were last synced (see ``_window_state``).
+_State = tuple[int, "list[int] | int"]
+
+
+def _window_state(table: BlockTable, first: int, num_window: int) -> _State:
+    """What decides the table's mappings: its first window block's logical index, and its window ids.
+
+    Two reads that see equal states see the same blocks at the same
+    positions, so the second maps nothing and reuses the first's arrays.
+
+    NOTE: ``BlockTable`` has no version count yet, so the state carries the
+    window's ids (one list copy and one C-level compare per read: O(blocks),
+    about a microsecond at 64 blocks). A table that offers ``blocks_version``
+    (an int every command that changes its held block ids bumps) is
+    fingerprinted by that instead, in O(1).
+    """
+    version = getattr(table, "blocks_version", None)
+    if isinstance(version, int):
+        return first, version
+    return first, table.window_block_ids(num_window)
+
+
+class _Account:
+    """Areas one registry holds of the budget, kept apart so its finalizer can give them back."""
+
+    def __init__(self) -> None:
+        self.num_charged = 0
+
+
+def _give_back(budget: MapBudget, account: _Account) -> None:
+    budget.give(account.num_charged)
+    account.num_charged = 0
+
+
+class _TableViews:
+    """One table's ranges, and the window arrays read from them while its state holds."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[tuple[int, int], _Range] = {}  # (layer, side) -> range
+        self.state: _State | None = None
+        self.arrays: dict[int, tuple[Array, Array]] = {}  # layer -> the window's keys and values
+
+
 class PageViews:
     """Every page view of one pool, one registry per pool, safe to use from many threads.
 
     Invariants:
         * each range maps exactly ``ids`` at positions ``lo .. lo + len(ids) - 1``
           and zeros everywhere else;
-        * the areas charged to the budget are ``len(ids) + 2`` per range;
-        * a range belongs to a live table; a collected table's ranges are released.
+        * the areas charged to the budget are ``len(ids) + 2`` per range, and
+          this registry holds exactly their sum (given back when it is collected);
+        * a range belongs to a live table; a collected table's ranges are released;
+        * a table's window arrays exist only for layers whose two ranges exist
+          (they were read from them since the table's state last changed).
     """
 
     def __init__(self, pages: PageFile, budget: MapBudget) -> None:
         self.pages = pages
         self.budget = budget
         self.stats = ViewStats()
+        # NOTE: a pool dropped with views still mapped never calls _drop; its
+        # areas go back to the process-wide budget when this registry is
+        # collected (its ranges, unmapped with it, no longer hold them).
+        self._account = _Account()
+        weakref.finalize(self, _give_back, budget, self._account)
         self._lock = threading.Lock()
-        # id(table) -> {(layer, side): range}; the finalizer releases them.
-        self._ranges: dict[int, dict[tuple[int, int], _Range]] = {}
+        # id(table) -> its ranges and window arrays; the finalizer releases them.
+        self._tables: dict[int, _TableViews] = {}
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         # NOTE: a collected table's key waits here for the next call that holds
         # the lock: a finalizer may run inside any allocation, even one made
@@ -136,14 +187,14 @@ class PageViews:
         """Ranges reserved now."""
         with self._lock:
             self._release_dead()
-            return sum(len(ranges) for ranges in self._ranges.values())
+            return sum(len(views.ranges) for views in self._tables.values())
 
     @property
     def num_mapped_blocks(self) -> int:
         """Blocks mapped now, over every range (an upper bound on the areas they take)."""
         with self._lock:
             self._release_dead()
-            return sum(len(r.ids) for ranges in self._ranges.values() for r in ranges.values())
+            return sum(len(r.ids) for views in self._tables.values() for r in views.ranges.values())
 
     def read(self, table: BlockTable, layer: int, start: int, end: int) -> tuple[Array, Array] | None:
         """Tokens ``start .. end - 1`` of ``table`` in layer ``layer`` as ``(n, H, d)`` views, or None.
@@ -152,32 +203,37 @@ class PageViews:
         means the views cannot be had now (the budget, or the kernel refused):
         the caller gathers. The arrays are read-only and valid until this
         table's next read or release; they keep their memory mapped.
+
+        A read of a table whose window blocks are as they were at its last
+        read of this layer (every decode step but one in ``block_size``)
+        maps nothing: it slices the arrays that read made (see
+        :func:`_window_state`).
         """
         bs = table.block_size
         num_window = table.num_window_blocks
         first = table.first_block_index
         if not num_window or start < first * bs or end > (first + num_window) * bs:
             return None
-        ids = table.block_ids[table.num_blocks - num_window :]
+        state = _window_state(table, first, num_window)
         with self._lock:
             self._release_dead()
-            ranges = self._ranges.get(id(table))
-            if ranges is None:
-                ranges = self._ranges[id(table)] = {}
+            views = self._tables.get(id(table))
+            if views is None:
+                views = self._tables[id(table)] = _TableViews()
                 self._finalizers[id(table)] = weakref.finalize(table, self._forget, id(table))
-            sides = []
-            for side in (0, 1):
-                piece = self._sync(ranges, layer, side, first, ids)
-                if piece is None:
+            if views.state != state:
+                views.state, views.arrays = state, {}
+            whole = views.arrays.get(layer)
+            if whole is None:
+                whole = self._map_window(table, views, layer, first, state)
+                if whole is None:
                     self.stats.num_fallbacks += 1
                     self._release_locked(id(table))
                     return None
-                token_bytes = self.pages.block_bytes // bs
-                offset = (start - piece.base * bs) * token_bytes
-                flat = piece.reservation.array(offset, (end - start) * token_bytes, self.pages.dtype)
-                sides.append(flat.reshape(end - start, *self.pages.token_shape))
+                views.arrays[layer] = whole
             self.stats.num_view_reads += 1
-        return sides[0], sides[1]
+        lo, hi = start - first * bs, end - first * bs
+        return whole[0][lo:hi], whole[1][lo:hi]
 
     def release(self, table: BlockTable) -> None:
         """Zero and drop every range of ``table`` (a closed cache, a freed sequence)."""
@@ -189,22 +245,64 @@ class PageViews:
         """Raise ``AssertionError`` if a range's bookkeeping disagrees with the docstring."""
         with self._lock:
             self._release_dead()
-            for ranges in self._ranges.values():
-                for piece in ranges.values():
+            total = 0
+            for views in self._tables.values():
+                unmapped = [layer for layer in views.arrays
+                            if (layer, 0) not in views.ranges or (layer, 1) not in views.ranges]
+                if unmapped:
+                    raise AssertionError(f"window arrays of layers {unmapped} without their ranges")
+                for piece in views.ranges.values():
+                    total += piece.num_charged
                     if piece.num_charged != len(piece.ids) + _AREAS_PER_RANGE:
                         raise AssertionError(
                             f"range charges {piece.num_charged} areas for {len(piece.ids)} blocks")
                     if piece.lo < 0 or piece.lo + len(piece.ids) > piece.capacity:
                         raise AssertionError(
                             f"mapped positions {piece.lo}+{len(piece.ids)} past {piece.capacity}")
+            if total != self._account.num_charged:
+                raise AssertionError(f"ranges charge {total} areas but the registry holds "
+                                     f"{self._account.num_charged}")
         self.budget.check_invariants()
 
     # ---------------------------------------------------------------- private
 
+    def _map_window(
+        self, table: BlockTable, views: _TableViews, layer: int, first: int, state: _State
+    ) -> tuple[Array, Array] | None:
+        """Sync layer ``layer``'s two ranges: the window's keys and values ``(num_window * bs, H, d)``.
+
+        None when the budget or the kernel refused a mapping.
+        """
+        num_window = table.num_window_blocks
+        ids = state[1] if isinstance(state[1], list) else table.window_block_ids(num_window)
+        # NOTE: both sides' areas are claimed before either is mapped: a budget
+        # with room for one side only must refuse at once, not map keys, fail
+        # on values, release, and map the keys again at every read.
+        wanted = len(ids) + _AREAS_PER_RANGE
+        held = [piece.num_charged if piece is not None else 0
+                for piece in (views.ranges.get((layer, 0)), views.ranges.get((layer, 1)))]
+        if not self._charge(2 * wanted - sum(held)):
+            return None
+        sides = []
+        for side in (0, 1):
+            piece = self._sync(views.ranges, layer, side, first, ids)
+            if piece is None:
+                if side == 0:  # the values' range was charged but not reached
+                    self._uncharge(wanted - held[1])
+                return None
+            offset = (first - piece.base) * self.pages.block_bytes
+            flat = piece.reservation.array(offset, num_window * self.pages.block_bytes, self.pages.dtype)
+            sides.append(flat.reshape(num_window * table.block_size, *self.pages.token_shape))
+        return sides[0], sides[1]
+
     def _sync(
         self, ranges: dict[tuple[int, int], _Range], layer: int, side: int, first: int, ids: list[int]
     ) -> _Range | None:
-        """Make the range of (layer, side) map ``ids`` as logical blocks ``first ..``; None on refusal."""
+        """Make the range of (layer, side) map ``ids`` as logical blocks ``first ..``; None on refusal.
+
+        The caller has charged the budget for ``len(ids) + 2`` areas for this
+        range (less what it held); a range dropped on the way gives them back.
+        """
         num = len(ids)
         piece = ranges.get((layer, side))
         turns = piece is not None and (first < piece.base or first + num > piece.base + piece.capacity)
@@ -212,19 +310,19 @@ class PageViews:
         # many again: one extra mapping per appended block, amortised.
         if piece is None or num > piece.capacity or (turns and 2 * num > piece.capacity):
             if piece is not None:
+                piece.num_charged = 0  # its areas pass to the new range
                 self._drop(piece)
             try:
                 piece = _Range(max(2 * num, MIN_CAPACITY), self.pages.block_bytes)
             except (OSError, ValueError, OverflowError):
                 ranges.pop((layer, side), None)
+                self._uncharge(num + _AREAS_PER_RANGE)
                 return None
             piece.base = first
             ranges[(layer, side)] = piece
         elif turns:
             piece.base = first  # the ring turns: positions are recomputed below
         lo = first - piece.base
-        if not self.budget.take(num + _AREAS_PER_RANGE - piece.num_charged):
-            return None
         piece.num_charged = num + _AREAS_PER_RANGE
         block_bytes = self.pages.block_bytes
         # Zero what lies outside the new mapped positions, then map what differs.
@@ -251,15 +349,28 @@ class PageViews:
         piece.lo, piece.ids = lo, new_ids
         return piece
 
+    def _charge(self, num_areas: int) -> bool:
+        if num_areas <= 0:
+            self._uncharge(-num_areas)
+            return True
+        if not self.budget.take(num_areas):
+            return False
+        self._account.num_charged += num_areas
+        return True
+
+    def _uncharge(self, num_areas: int) -> None:
+        self.budget.give(num_areas)
+        self._account.num_charged -= num_areas
+
     def _drop(self, piece: _Range) -> None:
         piece.reservation.zero(0, piece.reservation.size)
         self.stats.num_zeroes += 1
-        self.budget.give(piece.num_charged)
+        self._uncharge(piece.num_charged)
         piece.num_charged = 0
         piece.ids = []
 
     def _release_locked(self, key: int) -> None:
-        for piece in self._ranges.pop(key, {}).values():
+        for piece in self._tables.pop(key, _TableViews()).ranges.values():
             self._drop(piece)
         finalizer = self._finalizers.pop(key, None)
         if finalizer is not None:
@@ -272,5 +383,5 @@ class PageViews:
         while self._dead:
             key = self._dead.pop()
             self._finalizers.pop(key, None)
-            for piece in self._ranges.pop(key, {}).values():
+            for piece in self._tables.pop(key, _TableViews()).ranges.values():
                 self._drop(piece)

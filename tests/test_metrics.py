@@ -8,11 +8,14 @@ are reported side by side because they differ (vLLM #57336).
 from __future__ import annotations
 
 import json
+import sys
 
+import numpy as np
 import pytest
 from support.managers import make_manager, settle
 
-from pagedkv import KVCacheManager, ManagerMetrics
+from pagedkv import KVCacheManager, KVPool, ManagerMetrics
+from pagedkv.vmem import map_budget
 
 
 def memory(m: KVCacheManager) -> tuple[int, int, int, int, float, float, float]:
@@ -154,3 +157,55 @@ def test_metrics_is_a_query() -> None:
     assert json.loads(json.dumps(data)) == data
     with pytest.raises(AttributeError):
         first.num_used_blocks = 0  # type: ignore[misc]
+
+
+def decode_two_interleaved(m: KVCacheManager, num_steps: int) -> None:
+    """Sequences a and b take one token each per step and attend, so their blocks interleave."""
+    m.add_sequence("a")
+    m.add_sequence("b")
+    shape = (2, m.pool.num_kv_heads, m.pool.head_dim)
+    for _ in range(num_steps):
+        batch = m.reserve({"a": 1, "b": 1})
+        kv = np.full(shape, 0.5, np.float32)
+        m.write(0, batch, kv, kv)
+        m.attend(0, batch, kv)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="views are Linux only")
+def test_view_metrics_count_reads_maps_and_areas() -> None:
+    # block_size 16 x 1 head x 64 float32 = 4096 bytes a block: one page, so views apply.
+    # 17 steps: a holds blocks [0, 2], b [1, 3] (taken in turn); every attend is a view read.
+    #   reads 2 x 17 = 34; maps: 2 sequences x 2 blocks x (K, V) = 8, all still mapped;
+    #   areas: 4 ranges x (2 blocks + 2 zero pages around them) = 16
+    pool = KVPool(8, block_size=16, num_kv_heads=1, head_dim=64, dtype=np.float32, view_mode="views")
+    m = KVCacheManager(pool)
+    areas_before = map_budget().num_used
+    decode_two_interleaved(m, 17)
+    x = m.metrics()
+    assert x.view_mode == "views"
+    assert (x.num_view_reads, x.num_gather_reads, x.num_view_fallbacks) == (34, 0, 0)
+    assert (x.num_view_maps, x.num_mapped_blocks) == (8, 8)
+    assert x.num_map_areas_used - areas_before == 16
+    assert x.map_area_limit == map_budget().limit
+    assert x.as_dict()["view_mode"] == "views"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="views are Linux only")
+def test_view_metrics_count_fallbacks_at_the_map_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = map_budget()
+    monkeypatch.setattr(budget, "limit", budget.num_used)  # nothing more may be mapped
+    pool = KVPool(8, block_size=16, num_kv_heads=1, head_dim=64, dtype=np.float32, view_mode="views")
+    m = KVCacheManager(pool)
+    decode_two_interleaved(m, 3)
+    x = m.metrics()
+    # every read tried to map, was refused, and gathered: 2 sequences x 3 steps
+    assert (x.num_view_reads, x.num_view_fallbacks, x.num_gather_reads) == (0, 6, 6)
+    assert (x.num_view_maps, x.num_mapped_blocks, x.map_area_limit) == (0, 0, budget.num_used)
+
+
+def test_a_gather_pool_reports_gather_and_no_view_counts() -> None:
+    m = KVCacheManager(KVPool(8, block_size=4, num_kv_heads=1, head_dim=2, dtype=np.float32))
+    decode_two_interleaved(m, 5)
+    x = m.metrics()
+    assert x.view_mode == "gather"
+    assert (x.num_view_reads, x.num_gather_reads, x.num_view_maps, x.num_mapped_blocks) == (0, 0, 0, 0)

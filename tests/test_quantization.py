@@ -168,6 +168,10 @@ def test_fp8_never_produces_nan_for_large_values() -> None:
         (np.float32, "int8", None, 1024 + 128 + 4096),
         (np.float64, "int8", "int8", 2 * (1024 + 8 * 4 * 8)),  # 2560
         (np.float64, None, None, 16384),
+        # float16 / bfloat16: 2 bytes a value, no scales
+        (np.float32, "float16", "bfloat16", 2 * 8 * 128 * 2),  # 4096
+        (np.float32, "bfloat16", None, 2048 + 4096),
+        (np.float64, "float16", "int8", 2048 + 1024 + 8 * 4 * 8),
     ],
 )
 def test_bytes_per_token(dtype: Any, key_dtype: str | None, value_dtype: str | None, expected: int) -> None:
@@ -301,7 +305,8 @@ def test_a_private_windowed_cache_compacts_quantized_blocks_with_their_scales() 
 # ------------------------------------------------------------ the manager
 
 
-@pytest.mark.parametrize("key_dtype, value_dtype", [("int8", "int8"), ("float8_e4m3", "int8")])
+@pytest.mark.parametrize("key_dtype, value_dtype",
+                         [("int8", "int8"), ("float8_e4m3", "int8"), ("float16", "bfloat16")])
 def test_manager_decode_is_bit_exact_through_fork_copy_on_write_swap_windows_and_sinks(
     monkeypatch: pytest.MonkeyPatch, key_dtype: str, value_dtype: str
 ) -> None:
@@ -512,3 +517,89 @@ def test_the_machine_catches_quantization_beyond_the_bound(monkeypatch: pytest.M
     monkeypatch.setattr(quantization.StorageFormat, "quantize", clipping)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(QuantizedCaches, settings=hunt())
+
+
+# ------------------------------------------- scale-free storage: float16, bfloat16
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bfloat16 (ties to even), as float32: bit arithmetic, no ml_dtypes."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def stored_as(x: np.ndarray, name: str | None) -> np.ndarray:
+    if name is None:
+        return x
+    return x.astype(np.float16).astype(np.float32) if name == "float16" else round_to_bfloat16(x)
+
+
+def plain_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One query (H, d) over keys/values (n, H, d), float64 throughout."""
+    scores = np.einsum("hd,nhd->hn", q.astype(np.float64), keys.astype(np.float64))
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    return np.einsum("hn,nhd->hd", weights, values.astype(np.float64))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_scale_free_storage_keeps_the_nearest_value_and_reads_it_back_exactly(name: str) -> None:
+    x = np.random.default_rng(0).standard_normal((50, 2, 8)).astype(np.float32) * 10
+    storage = storage_format(name, 8)
+    codes, scales = storage.quantize(x)
+    assert (storage.scaled, storage.num_groups, scales.shape) == (False, 0, (50, 2, 0))
+    assert codes.dtype.itemsize == 2
+    widened = storage.dequantize(codes, None, np.dtype(np.float32))
+    assert np.array_equal(widened, stored_as(x, name))
+    pool = KVPool(16, block_size=4, num_kv_heads=2, head_dim=8, dtype=np.float32, key_dtype=name)
+    assert pool.key_scales(0).shape == (2, 16, 4, 0)  # zero-width: nothing to store
+    with pytest.raises(ConfigError, match="stored as float32"):
+        pool.value_scales(0)
+
+
+def test_float16_past_its_largest_value_is_infinite_without_a_warning() -> None:
+    codes, _ = storage_format("float16", 2).quantize(np.array([[1e5, -70000.0]], np.float32))
+    assert codes.tolist() == [[np.inf, -np.inf]]
+
+
+@pytest.mark.parametrize("key_dtype, value_dtype", [("float16", "bfloat16"), ("bfloat16", None),
+                                                     (None, "float16"), ("float16", "int8")])
+@pytest.mark.parametrize("max_size", [None, 9])
+def test_caches_storing_float16_or_bfloat16_equal_the_recompute(
+    key_dtype: str | None, value_dtype: str | None, max_size: int | None
+) -> None:
+    n, heads, head_dim = 30, 2, 8
+    pool = KVPool(64, block_size=4, num_kv_heads=heads, head_dim=head_dim, dtype=np.float32,
+                  key_dtype=key_dtype, value_dtype=value_dtype)
+    caches = [KVCache(max_size, pool=pool) for _ in range(2)]  # interleaved on one pool
+    data = [np.random.default_rng(seed).standard_normal((3, n, heads, head_dim)).astype(np.float32)
+            for seed in range(2)]
+    outs: list[list[np.ndarray]] = [[], []]
+    for t in range(n):
+        for which, cache in enumerate(caches):
+            q, k, v = (part[t] for part in data[which])
+            outs[which].append(cache.attend(q, k, v))
+    pool.check_invariants()
+    for which in range(2):
+        q, k, v = data[which]
+        expected = reference.recompute(q, k, v, max_size=max_size, dtype=np.float32,
+                                       key_dtype=key_dtype, value_dtype=value_dtype)
+        assert all(np.array_equal(a, b) for a, b in zip(outs[which], expected))
+        if value_dtype == "int8":
+            continue  # the plain oracle below knows only the scale-free roundings
+        for t in (0, n // 2, n - 1):
+            start = 0 if max_size is None else max(0, t + 1 - max_size)
+            window = slice(start, t + 1)
+            keys, values = stored_as(k[window], key_dtype), stored_as(v[window], value_dtype)
+            oracle_out = plain_attention(q[t], keys, values)
+            np.testing.assert_allclose(outs[which][t], oracle_out, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_names_the_extra_and_float16_needs_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    with pytest.raises(ImportError, match=r'bfloat16 storage needs the ml_dtypes package: .*\[fp8\]"'):
+        KVPool(2, head_dim=4, key_dtype="bfloat16")
+    with pytest.raises(ImportError, match=r"pagedkv\[fp8\]"):
+        KVCache(value_dtype="bfloat16")
+    assert KVCache(key_dtype="float16", value_dtype="float16").attend([1.0], [1.0], [2.0]) == [2.0]

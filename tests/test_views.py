@@ -244,3 +244,52 @@ def test_the_manager_reads_forked_and_fragmented_tables_through_views() -> None:
             assert np.array_equal(out[row], attend_window(q[row], past, past, dtype=F32))
     assert pool.view_stats.num_view_reads > 0
     manager.check_invariants()
+
+
+def test_an_unchanged_table_is_read_again_without_mapping_and_a_changed_middle_block_is_seen() -> None:
+    pool = views_pool(16)
+    spacer = filled_table(pool, 9.0, BS)  # so the table below is not one run
+    table = filled_table(pool, 1.0, 3 * BS)
+    pool.allocator.free(spacer.clear())
+    first = pool.read(0, table, [(0, 3 * BS)])[0].copy()
+    num_maps = pool.view_stats.num_maps
+    for end in range(2 * BS, 3 * BS + 1):  # decode steps: the blocks stay, the range grows
+        assert np.array_equal(pool.read(0, table, [(0, end)])[0], first[:end])
+    assert pool.view_stats.num_maps == num_maps
+    # Swapping out and in (swap.py) replaces every id: the same count and, here,
+    # the same last id, but a new first and middle block, holding other data.
+    last = table.last_block_id
+    moved = pool.allocator.allocate(2)
+    fresh = np.full((BS, H, D), 3.0, F32)
+    for block_id in moved:
+        pool.write(0, block_id * BS + np.arange(BS), fresh, fresh)
+    pool.allocator.free(table.replace_all([*moved, last])[:2])
+    keys, values = pool.read(0, table, [(0, 3 * BS)])
+    assert np.all(keys[: 2 * BS] == 3.0) and np.all(keys[2 * BS :] == 1.0) and np.all(values[:BS] == 3.0)
+    assert pool.view_stats.num_maps == num_maps + 4  # two new blocks, keys and values
+    pool.check_invariants()
+
+
+def test_a_dropped_pool_gives_its_areas_back_to_the_process_budget() -> None:
+    used = map_budget().num_used
+    pool = views_pool(8)
+    table = filled_table(pool, 1.0, 4 * BS)
+    pool.read(0, table, [(0, 4 * BS)])
+    assert map_budget().num_used == used + 2 * (4 + 2)  # keys and values: 4 blocks + 2 zero pages each
+    del pool, table  # never released: no close(), no free
+    gc.collect()
+    assert map_budget().num_used == used
+
+
+def test_a_budget_with_room_for_one_side_maps_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = map_budget()
+    monkeypatch.setattr(budget, "limit", budget.num_used + 4 + 2)  # room for the keys' range only
+    pool = views_pool(8)
+    spacer = filled_table(pool, 9.0, BS)
+    table = filled_table(pool, 1.0, 4 * BS)
+    pool.allocator.free(spacer.clear())
+    for _ in range(3):
+        keys, _ = pool.read(0, table, [(0, 4 * BS)])
+        assert np.all(keys == 1.0)  # gathered
+    assert pool.view_stats.num_maps == 0 and pool.view_stats.num_fallbacks == 3
+    pool.check_invariants()
