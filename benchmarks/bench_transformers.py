@@ -11,7 +11,8 @@ runs, every configuration interleaved in each round so drift hits all alike.
 
 Needs the ``hf`` extra (torch, transformers). Prints a table; asserts nothing
 about time. Ratios are against ``DynamicCache`` with the model's default
-attention (sdpa) in the same round.
+attention (sdpa) in the same round. "no read cache" is storage mode gathering
+every visible key and value from the pages each call (``read_cache=False``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def bench(name: str, num_new: int, repeats: int) -> list[tuple[str, str, float, 
     modes = {
         "DynamicCache (sdpa)": ("sdpa", lambda: DynamicCache(config=model.config)),
         "PagedCache storage (sdpa)": ("sdpa", lambda: PagedCache.from_model(model, num_blocks)),
+        "  no read cache (sdpa)": (
+            "sdpa",
+            lambda: PagedCache.from_model(model, num_blocks, read_cache=False),
+        ),
         "PagedCache attention": ("pagedkv", lambda: PagedCache.from_model(model, num_blocks)),
     }
     prefill: dict[str, list[float]] = {mode: [] for mode in modes}

@@ -221,7 +221,9 @@ def test_crop_refuses_bad_counts_and_changes_nothing() -> None:
 # ------------------------------------------------------------ storage, by hand
 
 
-def hand_cache(layer_types: tuple[str, ...], num_blocks: int = 16, windows: Any = None) -> PagedCache:
+def hand_cache(
+    layer_types: tuple[str, ...], num_blocks: int = 16, windows: Any = None, read_cache: bool = True
+) -> PagedCache:
     """A storage-mode cache for 2 kv heads of 3 values, built without a model."""
     from pagedkv import KVCacheManager, KVPool
 
@@ -230,7 +232,7 @@ def hand_cache(layer_types: tuple[str, ...], num_blocks: int = 16, windows: Any 
     spec = ModelSpec(len(layer_types), storing, layer_types, windows, 2, 2, 3, 1.0, np.dtype(np.float64))
     pool = KVPool(num_blocks, block_size=2, num_layers=len(storing), num_kv_heads=2, head_dim=3)
     manager = KVCacheManager(pool, layer_max_sizes=spec.pool_windows, num_q_heads=2)
-    return PagedCache(manager, spec)
+    return PagedCache(manager, spec, read_cache=read_cache)
 
 
 def states(num_rows: int, num_new: int, seed: int) -> Any:
@@ -298,6 +300,68 @@ def test_reorder_select_and_repeat_follow_their_rows() -> None:
     with pytest.raises(ConfigError, match="row 5 does not exist"):
         cache.reorder_cache(torch.tensor([5, 0]))
     assert cache.num_rows == 2
+
+
+@pytest.mark.parametrize("read_cache", [True, False], ids=["read_cache", "pool_reads"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_returned_keys_match_concatenation_and_never_change_afterwards(
+    monkeypatch: Any, seed: int, window: Any, read_cache: bool
+) -> None:
+    """Drive a cache with updates, reorders and crops beside a plain ``torch.cat`` oracle.
+
+    Every tensor ``update`` returned is kept with a copy taken then; after each
+    later operation each must still equal its copy (the rule: a returned tensor
+    is never written again). Capacity starts at 2 so the buffers grow often.
+    """
+    from pagedkv.integrations.hf import read_cache as read_cache_module
+
+    monkeypatch.setattr(read_cache_module, "MIN_CAPACITY", 2)
+    kind = "full_attention" if window is None else "sliding_attention"
+    cache = hand_cache((kind,), num_blocks=400, windows=(window,), read_cache=read_cache)
+    rng = np.random.default_rng(seed)
+    num_rows = 3
+    oracle = [torch.zeros(num_rows, 2, 0, 3), torch.zeros(num_rows, 2, 0, 3)]  # (rows, heads, columns, d)
+    handed: list[tuple[Any, Any]] = []  # (tensor returned, its copy at the time)
+    for step in range(30):
+        action = rng.choice(["update", "update", "update", "reorder", "crop"])
+        columns = oracle[0].shape[2]
+        if action == "reorder" and columns:
+            beams = torch.from_numpy(rng.integers(0, num_rows, num_rows))
+            cache.reorder_cache(beams)
+            oracle = [side.index_select(0, beams) for side in oracle]
+        elif action == "crop" and window is None and columns > 1:
+            num_removed = int(rng.integers(1, columns))
+            cache.crop(-num_removed)
+            oracle = [side[:, :, : columns - num_removed] for side in oracle]
+        else:
+            num_new = 4 if not columns else int(rng.integers(1, 4))
+            keys_new, values_new = states(num_rows, num_new, 1000 * seed + 2 * step), states(
+                num_rows, num_new, 1000 * seed + 2 * step + 1
+            )
+            past = columns
+            keys, values = cache.update(keys_new, values_new, 0)
+            oracle = [torch.cat([oracle[0], keys_new], dim=2), torch.cat([oracle[1], values_new], dim=2)]
+            offset = 0 if window is None else max(0, past - window + 1)
+            assert torch.equal(keys, oracle[0][:, :, offset:])
+            assert torch.equal(values, oracle[1][:, :, offset:])
+            handed += [(keys, keys.clone()), (values, values.clone())]
+        cache.check_invariants()
+        changed = [i for i, (tensor, copy) in enumerate(handed) if not torch.equal(tensor, copy)]
+        assert not changed, f"returned tensors {changed} changed by step {step}"
+    assert len(handed) >= 20
+
+
+def test_a_quantized_pool_is_read_from_its_pages() -> None:
+    from pagedkv import KVCacheManager, KVPool
+
+    spec = ModelSpec(1, (0,), ("full_attention",), (None,), 2, 2, 4, 1.0, np.dtype(np.float32))
+    pool = KVPool(8, block_size=2, num_kv_heads=2, head_dim=4, dtype=np.float32, key_dtype="int8")
+    cache = PagedCache(KVCacheManager(pool, num_q_heads=2), spec)
+    new = torch.from_numpy(np.random.default_rng(0).normal(size=(1, 2, 3, 4)).astype(np.float32))
+    keys, _ = cache.update(new, new, 0)
+    assert not torch.equal(keys, new)  # the int8 pages, dequantized: not the exact keys given
+    assert float((keys - new).abs().max()) < 0.05
 
 
 def test_bad_states_are_refused_and_change_nothing() -> None:

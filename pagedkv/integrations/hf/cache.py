@@ -11,8 +11,9 @@ Each batch row is one sequence of a :class:`~pagedkv.KVCacheManager`. Layer
 Two modes, chosen by the model's attention implementation when rows start:
 
 * storage (any transformers attention): ``update`` stores the new keys and
-  values and returns each row's visible ones as new tensors, as
-  ``DynamicCache`` (and its sliding-window layers) would;
+  values and returns each row's visible ones, as ``DynamicCache`` (and its
+  sliding-window layers) would: views of a per-layer read cache
+  (:mod:`~pagedkv.integrations.hf.read_cache`), never written again;
 * attention (``use_pagedkv_attention(model)``): ``update`` returns the new
   states untouched, and the attention function calls :meth:`PagedCache.attend`,
   which stores only real (unpadded) tokens and runs ``KVCacheManager.attend``.
@@ -24,12 +25,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pagedkv.batch import Batch
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, ShapeError
 from pagedkv.integrations.hf.extra import optional_class, require
 from pagedkv.integrations.hf.layers import LayerView
+from pagedkv.integrations.hf.read_cache import LayerBuffer, read_rows
 from pagedkv.integrations.hf.rows import RowSequences
 from pagedkv.integrations.hf.spec import ModelSpec, read_spec
 from pagedkv.integrations.hf.tensors import Tensor, check_states, from_tokens, padding_layout, to_tokens
@@ -80,12 +80,17 @@ class PagedCache(_Cache):  # type: ignore[misc]
         spec: the model's attention shape (:func:`~pagedkv.integrations.hf.spec.read_spec`).
         config: the model's config; pagedkv attention is on when its
             ``_attn_implementation`` is ``"pagedkv"``. None: storage mode always.
+        read_cache: storage mode keeps each layer's visible keys and values in a
+            growing contiguous buffer too (about twice their memory; faster
+            reads). False, or a quantized pool: gather them from the pages each call.
 
     Raises:
         ConfigError: the manager's pool or heads do not fit ``spec``.
     """
 
-    def __init__(self, manager: KVCacheManager, spec: ModelSpec, *, config: Any = None) -> None:
+    def __init__(
+        self, manager: KVCacheManager, spec: ModelSpec, *, config: Any = None, read_cache: bool = True
+    ) -> None:
         pool = manager.pool
         shape = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, manager.num_q_heads)
         wanted = (len(spec.storing_layers), spec.num_kv_heads, spec.head_dim, spec.dtype, spec.num_q_heads)
@@ -101,6 +106,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._num_columns = [0] * spec.num_layers
         self._step: _Step | None = None
         self._mode = "storage"
+        self._read_cache = read_cache and not manager.pool.quantized
+        self._buffers = [LayerBuffer() for _ in range(spec.num_layers)]
         storing = set(spec.storing_layers)
         dummy = require("transformers.cache_utils").DummyLayer
         views = [LayerView(self, i) if i in storing else dummy() for i in range(spec.num_layers)]
@@ -108,7 +115,13 @@ class PagedCache(_Cache):  # type: ignore[misc]
 
     @classmethod
     def from_model(
-        cls, model: Any, num_blocks: int, *, block_size: int = 16, trusted_inputs: bool = True
+        cls,
+        model: Any,
+        num_blocks: int,
+        *,
+        block_size: int = 16,
+        trusted_inputs: bool = True,
+        read_cache: bool = True,
     ) -> PagedCache:
         """A cache with its own pool, shaped from ``model``'s config.
 
@@ -118,6 +131,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
             block_size: token slots per block.
             trusted_inputs: skip scanning the values the model writes (keys are
                 still scanned); see ``KVCacheManager(trusted_inputs=...)``.
+            read_cache: see the class.
 
         Raises:
             ConfigError: what :func:`~pagedkv.integrations.hf.spec.read_spec` refuses, or no storing layer.
@@ -140,7 +154,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
             scale=spec.scale,
             trusted_inputs=trusted_inputs,
         )
-        return cls(manager, spec, config=model.config)
+        return cls(manager, spec, config=model.config, read_cache=read_cache)
 
     # ---------------------------------------------------------------- queries
 
@@ -208,7 +222,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
 
         Returns:
             Storage mode: every row's visible keys and values (from the mask's
-            ``kv_offset`` on), new tensors. Attention mode: the states as given.
+            ``kv_offset`` on): tensors never written again (views of the read
+            cache, or new ones). Attention mode: the states as given.
 
         Raises:
             ConfigError: the layer stores no keys, or the attention mode changed mid-generation.
@@ -244,7 +259,16 @@ class PagedCache(_Cache):  # type: ignore[misc]
         past = self._num_columns[layer_idx]
         self._num_columns[layer_idx] = end = past + num_new
         window = spec.windows[layer_idx]
-        return self._read(pool_layer, 0 if window is None else max(0, past - window + 1), end)
+        keep_from = 0 if window is None else max(0, past - window + 1)
+        if not self._read_cache:
+            keys, values = read_rows(self.manager, self._rows.seq_ids, pool_layer, keep_from, end)
+            torch = require("torch")
+            return torch.from_numpy(keys), torch.from_numpy(values)
+        buffer = self._buffers[layer_idx]
+        if buffer.is_empty:  # the first step, or after crop: the pool has the history
+            held = read_rows(self.manager, self._rows.seq_ids, pool_layer, keep_from, past)
+            buffer.fill(*held, start=keep_from)
+        return buffer.append(key_states, value_states, keep_from)
 
     def attend(
         self,
@@ -301,6 +325,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._rows.clear()
         self._num_columns = [0] * self.spec.num_layers
         self._step = None
+        self._clear_buffers()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         """Beam search: row ``i`` continues old row ``beam_idx[i]`` (a fork: the pages are shared)."""
@@ -343,11 +368,14 @@ class PagedCache(_Cache):  # type: ignore[misc]
         for layer in self.spec.storing_layers:
             self._num_columns[layer] = kept
         self._step = None
+        self._clear_buffers()  # the next columns rewrite positions the buffers handed out
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
         self._rows.check_invariants()
         self.manager.check_invariants()
+        for buffer in self._buffers:
+            buffer.check_invariants()
         step = self._step
         if step is not None and len(step.written) < self.manager.pool.num_layers:
             return  # mid-step: layers legitimately differ
@@ -384,6 +412,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._rows.start(num_rows)
         self._num_columns = [0] * self.spec.num_layers
         self._step = None
+        self._clear_buffers()
         return True
 
     def _is_new_step(self, pool_layer: int) -> bool:
@@ -410,18 +439,9 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._check_settled(what)
         self._rows.select(sources)
         self._step = None
+        for buffer in self._buffers:
+            buffer.select(sources)
 
-    def _read(self, pool_layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
-        """Every row's keys and values ``start .. end - 1`` of one pool layer, copied into new tensors."""
-        pool, spec, torch = self.manager.pool, self.spec, require("torch")
-        shape = (
-            self.num_rows,
-            spec.num_kv_heads,
-            end - start,
-            spec.head_dim,
-        )  # (batch, heads, seq, head_dim)
-        keys, values = np.empty(shape, spec.dtype), np.empty(shape, spec.dtype)
-        for row, seq_id in enumerate(self._rows.seq_ids):
-            plan = self.manager.block_table(seq_id).read_plan([(start, end)])
-            keys[row], values[row] = pool.gather(pool_layer, plan)  # views or scratch: copied here
-        return torch.from_numpy(keys), torch.from_numpy(values)
+    def _clear_buffers(self) -> None:
+        for buffer in self._buffers:
+            buffer.clear()

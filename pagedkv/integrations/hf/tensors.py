@@ -13,6 +13,7 @@ Tensors are ``Any`` to mypy (see :mod:`pagedkv.integrations.hf.extra`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy.typing as npt
 from pagedkv.errors import ShapeError
 from pagedkv.integrations.hf.extra import require
 
-__all__ = ["Tensor", "check_states", "from_tokens", "padding_layout", "to_tokens"]
+__all__ = ["Tensor", "check_states", "from_tokens", "padding_layout", "to_tokens", "torch_dtype"]
 
 #: A ``torch.Tensor`` (torch is loaded only when used).
 Tensor = Any
@@ -43,11 +44,17 @@ def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype
             f"{name} has {shape[1]} heads of {shape[3]} values; "
             f"the pool holds {num_heads} heads of {head_dim}"
         )
-    if states.device.type != "cpu" or str(states.dtype).removeprefix("torch.") != str(dtype):
+    if states.dtype is not torch_dtype(dtype) or states.device.type != "cpu":
         raise ShapeError(
             f"{name} is {states.dtype} on {states.device}; the pool holds {dtype} on the CPU "
             "(pagedkv runs on the CPU only)"
         )
+
+
+@functools.cache
+def torch_dtype(dtype: np.dtype[Any]) -> Any:
+    """The torch dtype of numpy ``dtype`` (float32 -> ``torch.float32``); looked up once per dtype."""
+    return getattr(require("torch"), str(dtype), None)
 
 
 def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:

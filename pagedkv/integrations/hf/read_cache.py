@@ -1,0 +1,164 @@
+"""Storage mode's read cache: each layer's visible keys and values, contiguous, appended in place.
+
+transformers' own attention wants every row's visible keys as one tensor
+``(batch, kv_heads, seq, head_dim)``. Gathering them from the pool's pages each
+step copies the whole history through a transpose (the pages are token-major);
+instead each storing layer keeps one growing buffer, fed by each step's new
+keys, and hands out narrow views of it::
+
+    capacity 8, window None        positions (columns) held: start .. end - 1
+    step 1 (prefill 3)   [k0 k1 k2 .  .  .  .  . ]   returns view 0..2
+    step 2 (1 new)       [k0 k1 k2 k3 .  .  .  . ]   returns view 0..3
+    ... full: a new buffer of twice the need; the old one stays with its views
+
+The pool stays the source of truth (every token is written there first); a
+buffer is only a faster way to read it, and is rebuilt from the pool whenever
+it cannot follow (after ``crop``, ``reset``, or with a quantized pool).
+
+NOTE: the rule for tensors handed to transformers: *a returned tensor is never
+written again.* A buffer is append-only: writes go past every view already
+returned, and anything that would rewrite a position (crop, a window compacting
+its history, reordering rows) writes a new buffer instead. So a returned
+tensor stays valid and unchanged for as long as anyone holds it; the cost is
+memory: the buffer duplicates the layer's pages (at most twice over while it
+grows), and dropped buffers live on while their views do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.integrations.hf.extra import require
+from pagedkv.integrations.hf.tensors import Tensor
+from pagedkv.manager import KVCacheManager
+
+__all__ = ["LayerBuffer", "read_rows"]
+
+#: The smallest buffer allocated, in token positions.
+MIN_CAPACITY = 64
+
+
+def read_rows(
+    manager: KVCacheManager, seq_ids: Sequence[Hashable], pool_layer: int, start: int, end: int
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Every row's keys and values ``start .. end - 1`` of one pool layer, gathered into new arrays.
+
+    Returns:
+        ``(keys, values)``, each ``(rows, kv_heads, end - start, head_dim)``, new
+        arrays (the pool's views and scratch are copied here; ``torch.from_numpy``
+        shares them without a copy).
+
+    >>> from pagedkv import KVPool
+    >>> manager = KVCacheManager(KVPool(4, block_size=2, head_dim=1))
+    >>> manager.add_sequence("s")  # no prefix cached
+    0
+    >>> batch = manager.reserve({"s": 3})
+    >>> manager.write(0, batch, np.arange(3.0).reshape(3, 1, 1), np.zeros((3, 1, 1)))
+    >>> read_rows(manager, ["s"], 0, 1, 3)[0].flatten().tolist()
+    [1.0, 2.0]
+    """
+    pool = manager.pool
+    shape = (len(seq_ids), pool.num_kv_heads, end - start, pool.head_dim)  # (rows, heads, seq, head_dim)
+    keys, values = np.empty(shape, pool.dtype), np.empty(shape, pool.dtype)
+    for row, seq_id in enumerate(seq_ids):
+        plan = manager.block_table(seq_id).read_plan([(start, end)])
+        keys[row], values[row] = pool.gather(pool_layer, plan)  # (heads, seq, head_dim) views or scratch
+    return keys, values
+
+
+class LayerBuffer:
+    """One layer's keys and values for every row, columns ``start .. end - 1``, in one growing tensor.
+
+    Invariants:
+        * empty (no tensors) or ``0 <= start <= end``, with ``end - start`` at
+          most the tensors' capacity (their dimension 2);
+        * the two tensors have one shape ``(rows, kv_heads, capacity, head_dim)``;
+        * positions ``end - start ..`` of the tensors were never handed out.
+
+    Filled from the pool (``fill``, arrays or tensors), then fed each step's
+    new columns (``append``, tensors); see ``tests/test_integration_transformers.py``.
+
+    >>> buffer = LayerBuffer()
+    >>> buffer.is_empty, buffer.start, buffer.end  # nothing held until filled
+    (True, 0, 0)
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None  # (rows, kv_heads, capacity, head_dim)
+        self.values: Tensor | None = None
+        #: The column held at buffer position 0.
+        self.start = 0
+        #: One past the last column held.
+        self.end = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the buffer holds nothing (it must be filled from the pool before appending)."""
+        return self.keys is None
+
+    def clear(self) -> None:
+        """Forget everything; views handed out stay valid (their tensor is never written again)."""
+        self.keys = self.values = None
+        self.start = self.end = 0
+
+    def fill(self, keys: Tensor, values: Tensor, start: int) -> None:
+        """Hold ``keys``/``values`` ``(rows, heads, seq, head_dim)`` from column ``start`` (a new buffer)."""
+        torch = require("torch")
+        self._reallocate(torch.as_tensor(keys), torch.as_tensor(values), start, extra=0)
+
+    def append(self, keys: Tensor, values: Tensor, keep_from: int) -> tuple[Tensor, Tensor]:
+        """Add the next columns ``(rows, heads, new, head_dim)``; return views of ``keep_from .. end``.
+
+        Columns before ``keep_from`` are no longer needed (a window slid past
+        them); they may be dropped when the buffer next grows.
+
+        Returns:
+            Views of the buffer, valid and unchanged for as long as they are held.
+        """
+        assert self.keys is not None and self.values is not None and self.start <= keep_from <= self.end
+        num_new = keys.shape[2]
+        used = self.end - self.start
+        if used + num_new > self.keys.shape[2]:
+            self._reallocate(self.keys[:, :, keep_from - self.start : used],
+                             self.values[:, :, keep_from - self.start : used], keep_from, extra=num_new)
+            used = self.end - self.start
+        self.keys[:, :, used : used + num_new].copy_(keys)
+        self.values[:, :, used : used + num_new].copy_(values)
+        self.end += num_new
+        lo, hi = keep_from - self.start, self.end - self.start
+        return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
+
+    def select(self, sources: Sequence[int]) -> None:
+        """Row ``i`` becomes old row ``sources[i]``, in a new buffer (beam search, batch surgery)."""
+        if self.keys is None or self.values is None:
+            return
+        index = require("torch").tensor(list(sources), dtype=require("torch").long)
+        self.keys = self.keys.index_select(0, index)
+        self.values = self.values.index_select(0, index)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        if self.keys is None or self.values is None:
+            if self.keys is not None or self.values is not None or (self.start, self.end) != (0, 0):
+                raise AssertionError(f"half-empty buffer, columns {self.start} .. {self.end}")
+            return
+        if self.keys.shape != self.values.shape:
+            raise AssertionError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)}")
+        if not 0 <= self.start <= self.end <= self.start + self.keys.shape[2]:
+            raise AssertionError(f"columns {self.start} .. {self.end} in capacity {self.keys.shape[2]}")
+
+    def _reallocate(self, keys: Tensor, values: Tensor, start: int, extra: int) -> None:
+        """A new buffer holding ``keys``/``values`` from column ``start``, room for twice ``seq + extra``."""
+        rows, heads, num_held, head_dim = keys.shape
+        capacity = max(MIN_CAPACITY, 2 * (num_held + extra))
+        torch = require("torch")
+        new_keys = torch.empty((rows, heads, capacity, head_dim), dtype=keys.dtype)
+        new_values = torch.empty((rows, heads, capacity, head_dim), dtype=values.dtype)
+        new_keys[:, :, :num_held].copy_(keys)
+        new_values[:, :, :num_held].copy_(values)
+        self.keys, self.values = new_keys, new_values
+        self.start, self.end = start, start + num_held
