@@ -84,6 +84,7 @@ class BlockTable:
         "_num_breaks",
         "_sink_ids",
         "block_size",
+        "blocks_version",
         "num_sink_blocks",
         "num_sink_tokens",
         "num_tokens",
@@ -117,6 +118,9 @@ class BlockTable:
         # Adjacent pairs in ``_ids`` that are not consecutive block ids; zero
         # means the window part is one run, readable as an array view.
         self._num_breaks = 0
+        #: Grows whenever the held block ids or their logical places change
+        #: (page views compare it to know a table is unchanged in O(1)).
+        self.blocks_version = 0
 
     @classmethod
     def restored(
@@ -161,6 +165,7 @@ class BlockTable:
         self._sink_ids = list(state.sink_ids)
         self._ids = deque(state.window_ids)
         self._num_breaks = count_breaks(state.window_ids)
+        self.blocks_version += 1
 
     # ---------------------------------------------------------------- queries
 
@@ -302,6 +307,8 @@ class BlockTable:
             if self._ids and self._ids[-1] + 1 != block_id:
                 self._num_breaks += 1
             self._ids.append(block_id)
+        if new_block_ids:
+            self.blocks_version += 1
         self.num_tokens += num_tokens
 
     def evict_to(self, window_start: int) -> list[int]:
@@ -329,6 +336,7 @@ class BlockTable:
         if not ids:
             # Nothing held in the window: the next token's block starts it again.
             self._first_block = max(self._first_block, ceil_div(self.num_tokens, bs))
+        self.blocks_version += 1
         released.reverse()
         return released
 
@@ -347,6 +355,7 @@ class BlockTable:
         else:
             old = self._sink_ids[-1]
             self._sink_ids[-1] = block_id
+        self.blocks_version += 1
         return old
 
     def replace_all(self, block_ids: list[int]) -> list[int]:
@@ -358,6 +367,7 @@ class BlockTable:
         self._sink_ids = list(block_ids[:num_sink])
         self._ids = deque(block_ids[num_sink:])
         self._num_breaks = count_breaks(self._ids)
+        self.blocks_version += 1
         return old
 
     def truncate(self, num_tokens: int) -> list[int]:
@@ -391,6 +401,7 @@ class BlockTable:
             released.append(self._sink_ids.pop())
         if not self._ids:
             self._first_block = max(self.num_sink_blocks, min(self._first_block, needed))
+        self.blocks_version += 1
         return released
 
     def clear(self) -> list[int]:
@@ -402,6 +413,7 @@ class BlockTable:
         self._num_breaks = 0
         self.num_tokens = 0
         self.window_start = self.num_sink_tokens
+        self.blocks_version += 1
         return released
 
     def copy(self) -> BlockTable:

@@ -109,25 +109,18 @@ class _Range:
 
 
 #: What a table's window looked like when its views were last synced (see ``_window_state``).
-_State = tuple[int, "list[int] | int"]
+_State = tuple[int, int]
 
 
-def _window_state(table: BlockTable, first: int, num_window: int) -> _State:
-    """What decides the table's mappings: its first window block's logical index, and its window ids.
+def _window_state(table: BlockTable, first: int) -> _State:
+    """What decides the table's mappings: its first window block's logical index, and its version.
 
-    Two reads that see equal states see the same blocks at the same
-    positions, so the second maps nothing and reuses the first's arrays.
-
-    NOTE: ``BlockTable`` has no version count yet, so the state carries the
-    window's ids (one list copy and one C-level compare per read: O(blocks),
-    about a microsecond at 64 blocks). A table that offers ``blocks_version``
-    (an int every command that changes its held block ids bumps) is
-    fingerprinted by that instead, in O(1).
+    ``BlockTable.blocks_version`` grows with every command that changes the
+    held block ids or their places, so two reads that see equal states see
+    the same blocks at the same positions: the second maps nothing and reuses
+    the first's arrays, in O(1).
     """
-    version = getattr(table, "blocks_version", None)
-    if isinstance(version, int):
-        return first, version
-    return first, table.window_block_ids(num_window)
+    return first, table.blocks_version
 
 
 class _Account:
@@ -214,7 +207,7 @@ class PageViews:
         first = table.first_block_index
         if not num_window or start < first * bs or end > (first + num_window) * bs:
             return None
-        state = _window_state(table, first, num_window)
+        state = _window_state(table, first)
         with self._lock:
             self._release_dead()
             views = self._tables.get(id(table))
@@ -274,7 +267,7 @@ class PageViews:
         None when the budget or the kernel refused a mapping.
         """
         num_window = table.num_window_blocks
-        ids = state[1] if isinstance(state[1], list) else table.window_block_ids(num_window)
+        ids = table.window_block_ids(num_window)
         # NOTE: both sides' areas are claimed before either is mapped: a budget
         # with room for one side only must refuse at once, not map keys, fail
         # on values, release, and map the keys again at every read.

@@ -249,3 +249,33 @@ def test_table_holds_exactly_the_logical_blocks_of_its_window(
         for index in range(window_start, num_tokens):
             block_id = where[index // block_size]
             assert table.slot(index) == block_id * block_size + index % block_size
+
+
+def test_blocks_version_grows_with_every_change_of_the_held_blocks() -> None:
+    # Page views trust an unchanged version to mean unchanged blocks: every command
+    # that changes the held ids or their places must bump it; a token in a held block need not.
+    table = BlockTable(block_size=2)
+    seen = [table.blocks_version]
+
+    def changed() -> None:
+        assert table.blocks_version > seen[-1]
+        seen.append(table.blocks_version)
+
+    table.append(3, [4, 5])
+    changed()
+    table.append(1, [])  # fills block 5: same blocks
+    assert table.blocks_version == seen[-1]
+    table.append(1, [9])
+    changed()
+    table.replace_last(7)
+    changed()
+    table.evict_to(3)
+    changed()
+    table.replace_all([1, 2])
+    changed()
+    table.truncate(3)
+    changed()
+    twin = table.copy()
+    assert twin.block_ids == table.block_ids
+    table.clear()
+    changed()
