@@ -185,7 +185,8 @@ def _pages(pool: KVPool, role: str, block_ids: list[int]) -> Tensors:
         # that the checksum and the writer would each copy again.
         out = np.empty((store.shape[0], len(ids), *store.shape[2:]), store.dtype)
         np.take(store, ids, axis=1, out=out, mode="clip")
-        return out.view(np.uint8) if out.dtype.kind == "V" else out  # fp8 travels as its bytes
+        # fp8 and bfloat16 travel as unsigned ints of their size (safetensors' numpy API has neither)
+        return out.view(np.dtype(f"u{out.dtype.itemsize}")) if out.dtype.kind == "V" else out
 
     parts = page_parts(pool.key_format is not None, pool.value_format is not None)
     return {tensor_name(role, part, layer): take(getattr(pool, part)(layer))

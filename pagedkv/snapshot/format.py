@@ -73,7 +73,9 @@ JSON_BYTES_PER_BYTE = 32
 #: once it is this old (seconds) and unlocked; see ``_remove_stale_temporaries``.
 STALE_TEMPORARY_AGE_S = 60.0
 #: Tensor dtypes a snapshot may hold (safetensors names).
-_TENSOR_DTYPES = {"F32": np.float32, "F64": np.float64, "I8": np.int8, "U8": np.uint8}
+_TENSOR_DTYPES = {
+    "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+}
 #: safetensors' names of numpy dtypes, by kind and size (the writer accepts more than a load does).
 _DTYPE_NAMES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32", "i8": "I64",
                 "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64", "b1": "BOOL"}

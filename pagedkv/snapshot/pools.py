@@ -134,6 +134,10 @@ class PoolPlan:
                     continue
                 if storage.name == "float8_e4m3" and np.any((codes & 0x7F) == 0x7F):
                     fail(f"tensor {name} holds NaN fp8 codes")  # e4m3fn's only non-finite codes
+                if storage.name == "float16" and not np.isfinite(codes).all():
+                    fail(f"tensor {name} holds NaN or infinity")
+                if storage.name == "bfloat16" and np.any((codes & 0x7F80) == 0x7F80):
+                    fail(f"tensor {name} holds NaN or infinite bfloat16 codes")  # exponent all ones
                 if storage.name == "int8" and np.any(codes == -128):
                     fail(f"tensor {name} holds the code -128, outside -127..127")
                 scales_name = tensor_name(self.role, f"{side}_scales", layer)
@@ -143,8 +147,9 @@ class PoolPlan:
 
     def _tensor(self, name: str, shape: tuple[int, ...], storage: StorageFormat | None = None) -> Any:
         array = self.tensors[name]
-        # fp8 codes travel as uint8: safetensors' numpy API has no fp8 dtype.
-        expected = self.dtype if storage is None else np.dtype(np.int8 if storage.name == "int8" else "u1")
+        # fp8 and bfloat16 codes travel as unsigned ints of their size: safetensors' numpy API has neither.
+        code = None if storage is None else storage.code_dtype
+        expected = self.dtype if code is None else code if code.kind != "V" else np.dtype(f"u{code.itemsize}")
         if array.dtype != expected:
             fail(f"tensor {name} has dtype {array.dtype}; the configuration says {expected}")
         if array.shape != shape:
@@ -211,6 +216,7 @@ class PoolPlan:
             per_slot = np.maximum(codes.max(axis=(0, 3)), -codes.min(axis=(0, 3)))
         else:
             scales = self.tensors[tensor_name(self.role, "key_scales", layer)]
+            codes = codes.view(self.key_format.code_dtype)  # the travel dtype back to the codes'
             per_slot = self.key_format.group_max_abs(codes, scales, self.dtype).max(axis=(0, 3))
         result: npt.NDArray[np.floating] = per_slot.reshape(-1)
         return result
