@@ -11,6 +11,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pagedkv.cached_blocks import CachedBlockMarks
 from pagedkv.counts import check_count
 from pagedkv.errors import (
     BlockStateError,
@@ -46,7 +47,7 @@ class AllocatorState:
     cached: list[int]
 
 
-class BlockAllocator:
+class BlockAllocator(CachedBlockMarks):
     """Hands out fixed-size blocks by id from one pool and counts their references.
 
     Free ids wait in a FIFO queue: allocating takes from the head and freeing
@@ -145,11 +146,6 @@ class BlockAllocator:
         """How many blocks have a ref count of at least one."""
         return self._num_blocks - (len(self._queue) - self._head) - len(self._cached_free)
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks whose cached contents a prefix hit can still take back."""
-        return len(self._cached_free)
-
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``allocate(num_blocks)`` would succeed now.
 
@@ -166,14 +162,6 @@ class BlockAllocator:
         """
         ref_counts = self._ref_counts
         return max((ref_counts[block_id] for block_id in block_ids), default=0)
-
-    def is_cached(self, block_id: int) -> bool:
-        """Whether ``block_id`` is marked cached (its contents are findable by key)."""
-        return block_id in self._cached
-
-    def cached_free_block_ids(self) -> list[int]:
-        """Cached free ids, the next to be evicted first (a copy)."""
-        return list(self._cached_free)
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``.
@@ -363,45 +351,6 @@ class BlockAllocator:
             if self._head > 64 and 2 * self._head > len(queue):
                 del queue[: self._head]
                 self._head = 0
-
-    def mark_cached(self, block_id: int) -> None:
-        """Mark a used block as cached: when freed it waits to be revived or evicted.
-
-        Raises:
-            UnknownBlockError: not an id of this pool.
-            BlockStateError: the block is free; only used blocks can be marked.
-        """
-        self._check_id(block_id)
-        if self._ref_counts[block_id] == 0:
-            raise BlockStateError(f"block {block_id} is free; only used blocks can be marked cached")
-        self._cached.add(block_id)
-
-    def unmark_cached(self, block_id: int) -> None:
-        """Drop a block's cached mark; a cached free block becomes a plain free one.
-
-        Raises:
-            UnknownBlockError: not an id of this pool.
-        """
-        self._check_id(block_id)
-        if block_id not in self._cached:
-            return
-        self._cached.discard(block_id)
-        if block_id in self._cached_free:
-            del self._cached_free[block_id]
-            self._queue.append(block_id)
-
-    def revive(self, block_id: int) -> None:
-        """Take a cached free block back into use (ref count 1): a prefix hit.
-
-        Raises:
-            UnknownBlockError: not an id of this pool.
-            BlockStateError: the block is not a cached free block.
-        """
-        self._check_id(block_id)
-        if block_id not in self._cached_free:
-            raise BlockStateError(f"block {block_id} is not a cached free block; nothing to revive")
-        del self._cached_free[block_id]
-        self._ref_counts[block_id] = 1
 
     def grow(self, num_new_blocks: int) -> None:
         """Add ``num_new_blocks`` free blocks with the next ids; existing ids stay valid.

@@ -19,7 +19,8 @@ TOOLS = ("pagedkv.simulate", "pagedkv.testing", "pagedkv.integrations", "pagedkv
 ABOVE_MANAGER = ("pagedkv.interop", "pagedkv.demo", "pagedkv.__main__", *TOOLS)
 #: The bottom: ints and errors only, no numpy (STYLE.md: the allocator never sees an array).
 BOTTOM = {"pagedkv.errors": set(), "pagedkv.counts": {"pagedkv.errors"},
-          "pagedkv.allocator": {"pagedkv.errors", "pagedkv.counts"}}
+          "pagedkv.cached_blocks": {"pagedkv.errors"},
+          "pagedkv.allocator": {"pagedkv.errors", "pagedkv.counts", "pagedkv.cached_blocks"}}
 
 
 def _module_name(path: Path) -> str:
