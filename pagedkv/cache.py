@@ -28,7 +28,7 @@ from pagedkv.errors import (
     PoolExhaustedError,
     ShapeError,
 )
-from pagedkv.inputs import as_vectors, check_dtype, check_scale, check_score_bound
+from pagedkv.inputs import as_vectors, check_dtype, check_scale, check_score_bound, like_input
 from pagedkv.locking import release_cache
 from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool
@@ -248,7 +248,8 @@ class KVCache:
 
         Returns:
             The output, shaped like ``q``: a list of Python floats when ``q`` is a
-            list (or tuple), otherwise a new numpy array of the cache's dtype.
+            list (or tuple), a torch tensor when it is one, otherwise a new
+            numpy array of the cache's dtype.
 
         Raises:
             ClosedCacheError: the cache was closed.
@@ -276,7 +277,7 @@ class KVCache:
         queries = query.reshape(1, -1, pool.head_dim)  # (1 new token, num_q_heads, head_dim)
         out = attend_sequence(pool, 0, self._table, self._max_size, queries, self._scale)
         out = out.reshape(query.shape)
-        return out.tolist() if q_is_list else out
+        return out.tolist() if q_is_list else like_input(q, out)
 
     def clear(self) -> None:
         """Drop every entry and give every block back to the pool; the cache stays usable."""

@@ -70,3 +70,13 @@ def test_a_refused_tensor_changes_nothing() -> None:
     with pytest.raises(NonFiniteError):
         manager.write(0, batch, torch.tensor([[[float("inf")]]], dtype=torch.float64), torch.zeros(1, 1, 1))
     assert manager_state(manager) == before
+
+
+def test_a_cache_gives_a_tensor_back_for_a_tensor_query() -> None:
+    from pagedkv import KVCache
+
+    cache, twin = KVCache(), KVCache()
+    q, k, v = (np.arange(4.0).reshape(2, 2) + i for i in range(3))
+    out = cache.attend(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v))
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), twin.attend(q, k, v))
