@@ -626,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
             ratio = f"{theirs / medians['pagedkv']['cycle']:.2f}" if theirs else NONE
             label = "caching on, a miss" if caching else "caching off"
             print(f"| {label} | {_cells(medians, lambda m: _rate(m['cycle']))} | {ratio} |")
+        print("\nTargets (issue 13): >= 1.5 k cycles/s caching off, >= 1.1 k caching on.")
 
         splits = run_rows(split_rows(vllm, clock_ns), args.repeats * 2)
         print("\n### One call (µs), caching off\n")
@@ -645,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for label, show in rows:
             print(f"| {label} | {_cells(splits, show)} |")
+        print("\nTargets (issue 13): admission with the prompt <= 20 µs; decode bookkeeping <= 5 µs.")
 
         steps = run_rows(step_rows(vllm, clock_ns), args.repeats * 2)
         print(f"\n### A decode step of {STEP_SEQS} sequences (µs a step), caching off\n")
@@ -662,6 +664,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for label, show in rows:
             print(f"| {label} | {_cells(steps, show)} |")
+        print("\nTarget (issue 13): separate / batched reserve <= 1.5.")
         print()
         print(footer())
 

@@ -24,7 +24,17 @@ import numpy.typing as npt
 from pagedkv.errors import InputTypeError, SequenceStateError
 from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState
 
-__all__ = ["Batch", "SlotPiece", "SlotRun", "batch_records", "issue_batch", "issued_slots"]
+__all__ = [
+    "Batch",
+    "SlotPiece",
+    "SlotRun",
+    "TokenSlot",
+    "batch_records",
+    "issue_batch",
+    "issue_token_batch",
+    "issued_slots",
+    "token_slot",
+]
 
 
 class SlotRun(NamedTuple):
@@ -183,6 +193,49 @@ def issue_batch(
     fields["slot_mapping"] = fields["_slots"] = slots  # made an array when first read
     fields["reservation_ids"] = reservation_ids
     return batch
+
+
+#: Where the one new token of a single-token batch goes, computed once by ``reserve``:
+#: ``(seq_id, position, block_id, offset)``. A plain tuple: one is built every decode step.
+TokenSlot = tuple[Hashable, int, int, int]
+
+_ONE = (1,)  # num_new_tokens of every single-token batch (and its query_start, made when read)
+
+
+def issue_token_batch(
+    seq_id: Hashable, position: int, block_id: int, offset: int, block_size: int, reservation_id: int
+) -> Batch:
+    """The :class:`Batch` of one new token of one sequence (a decode), with its ``TokenSlot``.
+
+    ``issue_batch``'s batch, plus the token's block and offset, so that each
+    layer's ``write`` copies the token's row without reading any array or
+    dividing its slot again.
+
+    >>> batch = issue_token_batch("a", 5, 7, 1, 4, 3)
+    >>> batch.slot_mapping.tolist(), batch.query_start.tolist(), token_slot(batch)
+    ([29], [0, 1], ('a', 5, 7, 1))
+    """
+    batch = object.__new__(Batch)
+    fields = batch.__dict__
+    fields["seq_ids"] = (seq_id,)
+    fields["num_new_tokens"] = fields["query_start"] = _ONE
+    fields["first_positions"] = (position,)
+    fields["slot_mapping"] = fields["_slots"] = [block_id * block_size + offset]
+    fields["reservation_ids"] = (reservation_id,)
+    fields["_token"] = (seq_id, position, block_id, offset)
+    return batch
+
+
+def token_slot(batch: Batch) -> TokenSlot | None:
+    """The ``TokenSlot`` of a single-token batch ``reserve`` issued; None for any other object.
+
+    Only a batch from :func:`issue_token_batch` has one: a copy, a batch built
+    by hand or anything else gets None (and takes the full checks).
+    """
+    if batch.__class__ is not Batch:
+        return None
+    token: TokenSlot | None = batch.__dict__.get("_token")
+    return token
 
 
 def issued_slots(batch: Batch) -> list[SlotPiece]:

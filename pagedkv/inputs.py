@@ -22,6 +22,7 @@ __all__ = [
     "check_dtype",
     "check_scale",
     "check_score_bound",
+    "check_token_pair",
     "check_tokens",
     "is_torch_tensor",
     "like_input",
@@ -216,6 +217,51 @@ def check_tokens(
             return value, high if high >= -low else -low
     array = as_tokens(name, value, dtype, expected)
     return array, float(np.abs(array).max())
+
+
+def check_token_pair(
+    keys: Any, values: Any, dtype: np.dtype[Any], expected: tuple[int, int, int], scan_values: bool = True
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any], float]:
+    """:func:`check_tokens` of a write's ``keys`` and ``values`` in one call: both arrays, and max |key|.
+
+    The same checks and errors as two :func:`check_tokens` calls (keys
+    first), with the fast path's tests made once for the pair: an engine's
+    decode ``write`` makes this call every layer of every step.
+
+    Args:
+        keys, values: what ``write`` was given.
+        dtype, expected: as :func:`as_tokens`.
+        scan_values: False skips scanning ``values`` on the fast path (as
+            ``check_tokens(..., scan=False)``); keys are always scanned.
+
+    Raises:
+        InputTypeError, NonFiniteError, ShapeError: as :func:`as_tokens`.
+
+    >>> ones, zeros = np.ones((1, 1, 2)), np.zeros((1, 1, 2))
+    >>> check_token_pair(ones, zeros, np.dtype(np.float64), (1, 1, 2))[2]
+    1.0
+    """
+    if (
+        keys.__class__ is np.ndarray
+        and values.__class__ is np.ndarray
+        and keys.dtype is dtype
+        and values.dtype is dtype
+        and keys.shape == expected
+        and values.shape == expected
+    ):
+        limit = _LIMITS.get(dtype) or value_limit(dtype)
+        high = keys.item(keys.argmax())
+        low = keys.item(keys.argmin())
+        if high <= limit and -low <= limit:  # False for a NaN
+            if not scan_values:
+                return keys, values, high if high >= -low else -low
+            value_high = values.item(values.argmax())
+            value_low = values.item(values.argmin())
+            if value_high <= limit and -value_low <= limit:
+                return keys, values, high if high >= -low else -low
+    key_array, largest = check_tokens("keys", keys, dtype, expected)
+    value_array, _ = check_tokens("values", values, dtype, expected, scan_values)
+    return key_array, value_array, largest
 
 
 def check_dtype(dtype: object) -> np.dtype[np.floating]:

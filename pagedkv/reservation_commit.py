@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.batch import Batch, SlotPiece, SlotRun, issue_batch
+from pagedkv.batch import Batch, SlotPiece, SlotRun, issue_batch, issue_token_batch
 from pagedkv.errors import PoolExhaustedError
 from pagedkv.pool import KVPool
 from pagedkv.reservation import (
@@ -162,7 +162,9 @@ def reserve_one(
     two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
     of it. tests/test_manager_speed_paths.py feeds the same calls to this
     path and the general one and compares every state, batch and error, and
-    runs the state machines with this path off.
+    runs the state machines with this path off. Its batch carries the
+    token's block and offset (``issue_token_batch``), so each layer's
+    ``write`` copies the row without dividing the slot again.
     """
     if window is not None:
         return None
@@ -195,20 +197,27 @@ def reserve_one(
         # ---- validated: nothing below can fail ----
         slot_mapping: list[SlotPiece] = []
         start = commit_step(record, count, None, None, step, pool, slot_mapping)
+        record.reservation_id = stamp = next(_RESERVATION_IDS)
+        record.batch = batch = issue_batch((seq_id,), (count,), (start,), slot_mapping, (stamp,))
+        return batch
+    # The token lands in the last block when it has room, else in a new one.
+    bs = table.block_size
+    offset = num_tokens % bs
+    if offset:
+        block_id = table.last_block_id
+        if allocator.ref_count(block_id) > 1:
+            return None  # a shared, partly filled last block: copy-on-write
+        new_ids: list[int] = []
     else:
-        if num_tokens % table.block_size:
-            if allocator.ref_count(table.last_block_id) > 1:
-                return None  # a shared, partly filled last block: copy-on-write
-            new_block = False
-        elif allocator.num_free_blocks:
-            new_block = True
-        else:
-            return None  # the general path raises PoolExhaustedError
-        # ---- validated: nothing below can fail ----
+        try:
+            block_id = allocator.allocate_one()  # raises with nothing changed
+        except PoolExhaustedError:
+            return None  # the general path raises it with the pool's numbers
+        new_ids = [block_id]
+    # ---- validated (and any new block taken): nothing below can fail ----
+    if record.token_ids is not None:  # keying is on for it (off: nothing to note)
         record.note_reserved(token_ids, None)
-        table.append(1, [allocator.allocate_one()] if new_block else [])
-        start = num_tokens
-        slot_mapping = [table.slot(start)]
+    table.append(1, new_ids)
     record.reservation_id = stamp = next(_RESERVATION_IDS)
-    record.batch = batch = issue_batch((seq_id,), (count,), (start,), slot_mapping, (stamp,))
+    record.batch = batch = issue_token_batch(seq_id, num_tokens, block_id, offset, bs, stamp)
     return batch

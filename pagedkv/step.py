@@ -20,11 +20,11 @@ import numpy.typing as npt
 from pagedkv.batch import Batch, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
-from pagedkv.inputs import as_tokens, check_score_bound, check_tokens
+from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
 from pagedkv.paged_attention import attend_batch
 from pagedkv.pool import KVPool
 from pagedkv.prefix_sharing import PrefixSharing
-from pagedkv.sequence import SequenceRegistry
+from pagedkv.sequence import SequenceRegistry, SequenceState
 
 __all__ = ["attend_layer", "write_layer"]
 
@@ -45,11 +45,42 @@ def write_layer(
     Updates ``max_abs_key[layer]``, each record's written count, and (with
     ``sharing``) keys the blocks now full in every layer.
 
+    NOTE: a single-token batch (a decode) takes the first branch: the same
+    checks as the general path below (the batch is the very one ``reserve``
+    returned for a running record, the layer is in range and unwritten, k/v
+    have the right type, dtype, shape and values), each made once, in the
+    order that finds the common case fastest; anything unusual falls through
+    to the general path, which raises what is wrong. The token's row is
+    copied by block and offset (one ``(num_kv_heads, head_dim)`` row per side
+    of token-major pages). Each branch is tested against the other
+    (tests/test_speed_write.py).
+
     Raises:
         LayerIndexError, InputTypeError: a bad ``layer``.
         SequenceStateError: the batch is stale, not the one ``reserve`` returned, or already written.
         ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
     """
+    token = batch.__dict__.get("_token") if batch.__class__ is Batch else None
+    if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
+        seq_id, position, block_id, offset = token
+        record = records.get(seq_id)
+        if (
+            record is not None
+            and record.batch is batch
+            and record.state is SequenceState.RUNNING
+            and record.num_written[layer] == position
+        ):
+            key_array, value_array, largest_key = check_token_pair(
+                keys, values, pool.dtype, (1, pool.num_kv_heads, pool.head_dim), not trusted_inputs
+            )
+            # ---- validated ----
+            pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
+            if largest_key > max_abs_key[layer]:
+                max_abs_key[layer] = largest_key
+            end = record.num_written[layer] = position + 1
+            if sharing is not None and end // pool.block_size > len(record.block_keys):
+                sharing.key_full_blocks(record)
+            return
     if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
         check_layer(layer, pool.num_layers)
     seqs = batch_records(records, batch)
@@ -60,8 +91,9 @@ def write_layer(
                 f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
             )
     expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
-    key_array, largest_key = check_tokens("keys", keys, pool.dtype, expected)
-    value_array, _ = check_tokens("values", values, pool.dtype, expected, not trusted_inputs)
+    key_array, value_array, largest_key = check_token_pair(
+        keys, values, pool.dtype, expected, not trusted_inputs
+    )
     # ---- validated ----
     slot = issued_slots(batch)[0]
     if expected[0] == 1 and isinstance(slot, int):  # one token: copied by block and offset
@@ -108,7 +140,7 @@ def attend_layer(
                 "call write() first"
             )
     expected = (batch.num_tokens, num_q_heads, pool.head_dim)
-    query_array = as_tokens("queries", queries, pool.dtype, expected)
+    query_array, _ = check_tokens("queries", queries, pool.dtype, expected)  # as_tokens, its fast path first
     check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
     tables = [seq.table for seq in seqs]
     return attend_batch(pool, layer, tables, batch.query_start, windows[layer], query_array, scale, method)

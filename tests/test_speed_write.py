@@ -1,0 +1,211 @@
+"""The single-token ``write`` path (issue 13): the same checks, errors and effects as the general path.
+
+A decode's batch carries its token's block and offset (``issue_token_batch``)
+and ``write`` copies the row by them. Every test here drives two managers with
+the same calls: on ``plain`` the batch is written as ``reserve`` returned it
+(the fast path), on ``general`` the batch's token slot is removed first, so
+its ``write`` takes the general path. Outcomes (errors and their messages),
+pages, written counts, key bounds and prefix keys must agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.managers import make_manager, manager_state, settle
+
+from pagedkv import KVCacheManager
+from pagedkv.batch import Batch, issue_token_batch, token_slot
+from pagedkv.errors import NonFiniteError, PagedKVError, SequenceStateError, ShapeError
+from pagedkv.inputs import check_token_pair, check_tokens
+
+
+def _general(batch: Batch) -> Batch:
+    """``batch`` (still the very object ``reserve`` returned) with its token slot gone: the general path."""
+    vars(batch).pop("_token", None)
+    return batch
+
+
+def _observed(manager: KVCacheManager) -> Any:
+    records = manager._seqs
+    written = {seq_id: list(records[seq_id].num_written) for seq_id in manager.seq_ids}
+    return manager_state(manager), written, list(manager._max_abs_key)
+
+
+def _outcome(call: Any, *args: Any) -> Any:
+    try:
+        call(*args)
+    except PagedKVError as error:
+        return type(error), str(error)
+    return None
+
+
+# A few k/v arrays a write may get: good ones, bad values, and bad types, dtypes and shapes.
+GOOD = st.floats(-4.0, 4.0, width=32)
+BAD_VALUE = st.sampled_from([np.nan, np.inf, -np.inf, 3e38, -3e38])
+
+
+@st.composite
+def token_arrays(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["good", "good", "good", "bad value", "list", "dtype", "shape", "object"]))
+    values = np.array(draw(st.lists(GOOD, min_size=4, max_size=4)), np.float32).reshape(1, 2, 2)
+    if kind == "bad value":
+        values.flat[draw(st.integers(0, 3))] = draw(BAD_VALUE)
+    elif kind == "list":
+        return values.tolist()
+    elif kind == "dtype":
+        return values.astype(np.float64)
+    elif kind == "shape":
+        return values.reshape(1, 1, 4)
+    elif kind == "object":
+        return "not an array"
+    return values
+
+
+def _apply(
+    manager: KVCacheManager, seen: list[Batch], fast: bool, op: str, layer: int, keys: Any, values: Any,
+    caching: bool,
+) -> None:
+    if op == "reserve":
+        seen.append(manager.reserve({"a": [5] if caching else 1}))
+    elif op in ("write", "write_old") and seen:
+        batch = seen[-1] if op == "write" else seen[0]
+        manager.write(layer, batch if fast else _general(batch), keys, values)
+    elif op == "cancel":
+        manager.cancel_reservation("a")
+    elif op == "fork":
+        manager.fork("a", "b") if "b" not in manager else manager.free("b")
+    elif op == "free" and "b" in manager:
+        manager.free("b")
+
+
+CALLS = st.lists(
+    st.tuples(
+        st.sampled_from(["reserve", "write", "write", "write", "write_old", "cancel", "fork", "free"]),
+        st.integers(0, 2),  # layer (2 is out of range)
+        token_arrays(),
+        token_arrays(),
+    ),
+    max_size=30,
+)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"enable_prefix_caching": True}, {"trusted_inputs": True}, {"num_sink_tokens": 1}],
+)
+@given(calls=CALLS)
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_decode_write_does_what_the_general_path_does(options: dict[str, Any], calls: list[Any]) -> None:
+    managers = {
+        "plain": make_manager(6, block_size=2, num_layers=2, num_kv_heads=2, head_dim=2, dtype=np.float32,
+                              **options),
+        "general": make_manager(6, block_size=2, num_layers=2, num_kv_heads=2, head_dim=2, dtype=np.float32,
+                                **options),
+    }
+    caching = options.get("enable_prefix_caching", False)
+    batches: dict[str, list[Batch]] = {"plain": [], "general": []}
+    for manager in managers.values():
+        manager.add_sequence("a", [3] if caching else None)
+    for op, layer, keys, values in calls:
+        outcomes = [
+            _outcome(_apply, manager, batches[label], label == "plain", op, layer, keys, values, caching)
+            for label, manager in managers.items()
+        ]
+        assert outcomes[0] == outcomes[1]
+        assert _observed(managers["plain"]) == _observed(managers["general"])
+        managers["plain"].check_invariants()
+
+
+def test_a_decode_batch_knows_its_tokens_block_and_offset() -> None:
+    manager = make_manager(8, block_size=4)
+    manager.add_sequence("a")
+    settle(manager, {"a": 5})
+    batch = manager.reserve({"a": 1})
+    # block_size 4:  block b0: t0 t1 t2 t3 | block b1: t4 [t5] . .   (t5 is the new token)
+    seq_id, position, block_id, offset = token_slot(batch)  # type: ignore[misc]
+    assert (seq_id, position, offset) == ("a", 5, 1)
+    assert block_id == manager.block_table("a").block_ids[1]
+    assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)] == [block_id * 4 + 1]
+    by_hand = Batch(("a",), (1,), (5,), np.array([0, 1]), batch.slot_mapping, batch.reservation_ids)
+    assert token_slot(by_hand) is None  # only reserve's own batch has one (and write refuses this one)
+    with pytest.raises(SequenceStateError, match="not the one reserve"):
+        manager.write(0, by_hand, np.ones((1, 1, 1)), np.ones((1, 1, 1)))
+    assert _outcome(manager.write, 0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1))) is None
+
+
+def test_a_new_block_takes_the_decode_token_at_offset_zero() -> None:
+    manager = make_manager(8, block_size=4)
+    manager.add_sequence("a")
+    settle(manager, {"a": 4})
+    batch = manager.reserve({"a": 1})
+    # block_size 4:  block b0: t0 t1 t2 t3 | block b1 (new): [t4] . . .
+    assert token_slot(batch)[1:] == (4, manager.block_table("a").block_ids[1], 0)  # type: ignore[index]
+    manager.write(0, batch, np.full((1, 1, 1), 2.0), np.full((1, 1, 1), 3.0))
+    block_id = manager.block_table("a").block_ids[1]
+    assert manager.pool.key_pages(0)[block_id, 0].tolist() == [[2.0]]
+    assert manager.pool.value_pages(0)[block_id, 0].tolist() == [[3.0]]
+
+
+def test_an_issued_token_batch_matches_the_slot_rule() -> None:
+    batch = issue_token_batch("s", 9, 3, 1, 8, 77)
+    assert batch.slot_mapping.tolist() == [3 * 8 + 1]
+    assert batch.query_start.tolist() == [0, 1]
+    assert (batch.seq_ids, batch.num_new_tokens, batch.first_positions, batch.reservation_ids) == (
+        ("s",), (1,), (9,), (77,)
+    )
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "error", "fragment"),
+    [
+        (np.full((1, 1, 1), np.nan), np.ones((1, 1, 1)), NonFiniteError, "keys holds nan"),
+        (np.ones((1, 1, 1)), np.full((1, 1, 1), -np.inf), NonFiniteError, "values holds -inf"),
+        (np.ones((2, 1, 1)), np.ones((2, 1, 1)), ShapeError, r"keys must have shape .* \(1, 1, 1\)"),
+        (np.ones((1, 1, 1)), np.ones((1, 1, 2)), ShapeError, r"values must have shape"),
+    ],
+)
+def test_a_refused_decode_write_changes_nothing(keys: Any, values: Any, error: type, fragment: str) -> None:
+    manager = make_manager(8, block_size=4)
+    manager.add_sequence("a")
+    settle(manager, {"a": 3})
+    batch = manager.reserve({"a": 1})
+    before = _observed(manager)
+    with pytest.raises(error, match=fragment):
+        manager.write(0, batch, keys, values)
+    assert _observed(manager) == before
+    manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))  # the batch is still good
+    with pytest.raises(SequenceStateError, match="already written"):
+        manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))
+
+
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=4, max_size=4),
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=4, max_size=4),
+    st.booleans(),
+)
+def test_the_pair_check_is_two_token_checks(keys: list[float], values: list[float], scan: bool) -> None:
+    dtype, shape = np.dtype(np.float32), (1, 2, 2)
+    key_array = np.array(keys, np.float32).reshape(shape)
+    value_array = np.array(values, np.float32).reshape(shape)
+
+    def separate() -> Any:
+        checked_keys, largest = check_tokens("keys", key_array, dtype, shape)
+        checked_values, _ = check_tokens("values", value_array, dtype, shape, scan)
+        return checked_keys.tobytes(), checked_values.tobytes(), largest  # bytes: a NaN equals itself
+
+    def paired() -> Any:
+        checked_keys, checked_values, largest = check_token_pair(key_array, value_array, dtype, shape, scan)
+        return checked_keys.tobytes(), checked_values.tobytes(), largest  # bytes: a NaN equals itself
+
+    results = []
+    for run in (separate, paired):
+        try:
+            results.append(run())
+        except PagedKVError as error:
+            results.append((type(error), str(error)))
+    assert results[0] == results[1]
