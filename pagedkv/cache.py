@@ -26,9 +26,15 @@ from pagedkv.errors import (
     ConfigError,
     InputTypeError,
     PoolExhaustedError,
-    ShapeError,
 )
-from pagedkv.inputs import as_vectors, check_dtype, check_scale, check_score_bound, like_input
+from pagedkv.inputs import (
+    as_vectors,
+    check_dtype,
+    check_scale,
+    check_score_bound,
+    check_vector_shapes,
+    like_input,
+)
 from pagedkv.locking import release_cache
 from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool
@@ -263,7 +269,8 @@ class KVCache:
         query, q_is_list = as_vectors("q", q, self._dtype)
         key, _ = as_vectors("k", k, self._dtype)
         value, _ = as_vectors("v", v, self._dtype)
-        self._check_shapes(query, key, value)
+        pool_shape = None if self._pool is None else (self._pool.num_kv_heads, self._pool.head_dim)
+        check_vector_shapes(query, key, value, self._kv_shape, pool_shape)
         key_abs = float(np.abs(key).max())
         check_score_bound(self._scale, query, max(self._max_abs_key, key_abs), self._dtype)
 
@@ -375,32 +382,6 @@ class KVCache:
         pool.attach(self._table)
         if not self._private:
             self._finalizer = weakref.finalize(self, release_cache, pool, self._table)
-
-    def _check_shapes(
-        self, query: npt.NDArray[Any], key: npt.NDArray[Any], value: npt.NDArray[Any]
-    ) -> None:
-        if key.shape != value.shape:
-            raise ShapeError(f"k and v must have the same shape, got {key.shape} and {value.shape}")
-        if query.ndim != key.ndim:
-            raise ShapeError(
-                f"q and k must both be (head_dim,) or both (num_heads, head_dim), "
-                f"got q {query.shape} and k {key.shape}"
-            )
-        if query.shape[-1] != key.shape[-1]:
-            raise ShapeError(f"q has head_dim {query.shape[-1]} but k has {key.shape[-1]}")
-        if query.ndim == 2 and query.shape[0] % key.shape[0]:
-            raise ShapeError(
-                f"num_q_heads={query.shape[0]} is not a multiple of num_kv_heads={key.shape[0]}"
-            )
-        if self._kv_shape is not None and key.shape != self._kv_shape:
-            raise ShapeError(f"this cache holds k/v of shape {self._kv_shape}, got {key.shape}")
-        if self._kv_shape is None and self._pool is not None:
-            expected = (self._pool.num_kv_heads, self._pool.head_dim)
-            got = key.shape if key.ndim == 2 else (1, key.shape[0])
-            if got != expected:
-                raise ShapeError(
-                    f"the pool stores (num_kv_heads, head_dim)={expected}, got k of shape {key.shape}"
-                )
 
     def _create_private_pool(self, kv_shape: tuple[int, ...]) -> None:
         num_kv_heads, head_dim = kv_shape if len(kv_shape) == 2 else (1, kv_shape[0])

@@ -24,6 +24,7 @@ __all__ = [
     "check_score_bound",
     "check_token_pair",
     "check_tokens",
+    "check_vector_shapes",
     "is_torch_tensor",
     "like_input",
     "torch_array",
@@ -324,3 +325,42 @@ def check_score_bound(
             f"attention scores could reach {bound:.3g}, beyond what {dtype} holds "
             f"safely ({limit:.3g}); scale q or k down"
         )
+
+
+def check_vector_shapes(
+    query: npt.NDArray[Any],
+    key: npt.NDArray[Any],
+    value: npt.NDArray[Any],
+    kv_shape: tuple[int, ...] | None,
+    pool_shape: tuple[int, int] | None,
+) -> None:
+    """The shapes ``KVCache.attend`` accepts: q, k, v of one token, agreeing with the cache and its pool.
+
+    Args:
+        query, key, value: ``(head_dim,)`` each, or ``(num_q_heads, head_dim)``
+            and ``(num_kv_heads, head_dim)``.
+        kv_shape: the k/v shape the cache holds already, or None.
+        pool_shape: the pool's ``(num_kv_heads, head_dim)``, or None (no pool yet).
+
+    Raises:
+        ShapeError: any disagreement, named with both shapes.
+    """
+    if key.shape != value.shape:
+        raise ShapeError(f"k and v must have the same shape, got {key.shape} and {value.shape}")
+    if query.ndim != key.ndim:
+        raise ShapeError(
+            f"q and k must both be (head_dim,) or both (num_heads, head_dim), "
+            f"got q {query.shape} and k {key.shape}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ShapeError(f"q has head_dim {query.shape[-1]} but k has {key.shape[-1]}")
+    if query.ndim == 2 and query.shape[0] % key.shape[0]:
+        raise ShapeError(f"num_q_heads={query.shape[0]} is not a multiple of num_kv_heads={key.shape[0]}")
+    if kv_shape is not None and key.shape != kv_shape:
+        raise ShapeError(f"this cache holds k/v of shape {kv_shape}, got {key.shape}")
+    if kv_shape is None and pool_shape is not None:
+        got = key.shape if key.ndim == 2 else (1, key.shape[0])
+        if got != pool_shape:
+            raise ShapeError(
+                f"the pool stores (num_kv_heads, head_dim)={pool_shape}, got k of shape {key.shape}"
+            )
