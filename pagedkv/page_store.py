@@ -136,12 +136,7 @@ class PageStore:
         Raises:
             ConfigError: keys are stored unquantized.
         """
-        if not self._key_scales:
-            raise ConfigError(f"keys are not quantized in this pool (stored as "
-                              f"{self.key_dtype or self.dtype}); there are no scales")
-        heads: npt.NDArray[np.floating] = self._key_scales[
-            check_layer(layer, self.num_layers)].transpose(2, 0, 1, 3)
-        return heads
+        return self._scale_heads(self._key_scales, "keys", self.key_dtype, layer)
 
     def value_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
         """Layer ``layer``'s value scales, shaped like ``key_scales``.
@@ -149,11 +144,18 @@ class PageStore:
         Raises:
             ConfigError: values are stored unquantized.
         """
-        if not self._value_scales:
-            raise ConfigError(f"values are not quantized in this pool (stored as "
-                              f"{self.value_dtype or self.dtype}); there are no scales")
-        heads: npt.NDArray[np.floating] = self._value_scales[
-            check_layer(layer, self.num_layers)].transpose(2, 0, 1, 3)
+        return self._scale_heads(self._value_scales, "values", self.value_dtype, layer)
+
+    def _scale_heads(
+        self, scales: list[npt.NDArray[np.floating]], side: str, stored: str | None, layer: int
+    ) -> npt.NDArray[np.floating]:
+        """One side's scales of ``layer`` as a head-major view, or a ConfigError when it has none."""
+        if not scales:
+            raise ConfigError(
+                f"{side} are not quantized in this pool (stored as {stored or self.dtype}); "
+                "there are no scales"
+            )
+        heads: npt.NDArray[np.floating] = scales[check_layer(layer, self.num_layers)].transpose(2, 0, 1, 3)
         return heads
 
     def key_pages(self, layer: int = 0) -> npt.NDArray[np.floating]:
