@@ -327,6 +327,7 @@ class BlockTable:
         released = []
         ids = self._ids
         bs = self.block_size
+        first_block = self._first_block
         while ids and (self._first_block + 1) * bs <= window_start:
             block_id = ids.popleft()
             if ids and ids[0] != block_id + 1:
@@ -336,7 +337,8 @@ class BlockTable:
         if not ids:
             # Nothing held in the window: the next token's block starts it again.
             self._first_block = max(self._first_block, ceil_div(self.num_tokens, bs))
-        self.blocks_version += 1
+        if released or self._first_block != first_block:
+            self.blocks_version += 1  # a start inside the same first block maps nothing new
         released.reverse()
         return released
 

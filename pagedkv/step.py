@@ -21,7 +21,7 @@ from pagedkv.batch import Batch, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
 from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
-from pagedkv.paged_attention import attend_batch
+from pagedkv.paged_attention import attend_batch, attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.sequence import SequenceRegistry, SequenceState
@@ -142,5 +142,7 @@ def attend_layer(
     expected = (batch.num_tokens, num_q_heads, pool.head_dim)
     query_array, _ = check_tokens("queries", queries, pool.dtype, expected)  # as_tokens, its fast path first
     check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
+    if len(seqs) == 1:  # one sequence: its attention is the whole output (no offsets, no copy)
+        return attend_sequence(pool, layer, seqs[0].table, windows[layer], query_array, scale)
     tables = [seq.table for seq in seqs]
     return attend_batch(pool, layer, tables, batch.query_start, windows[layer], query_array, scale, method)

@@ -279,3 +279,13 @@ def test_blocks_version_grows_with_every_change_of_the_held_blocks() -> None:
     assert twin.block_ids == table.block_ids
     table.clear()
     changed()
+
+
+def test_blocks_version_stays_while_the_window_moves_inside_its_first_block() -> None:
+    table = BlockTable(block_size=4)
+    table.append(8, [1, 2])
+    version = table.blocks_version
+    table.evict_to(3)  # tokens 0..2 leave the window; block 1 still holds token 3
+    assert table.blocks_version == version and table.block_ids == [1, 2]
+    table.evict_to(4)  # block 1 is wholly out: released
+    assert table.blocks_version > version and table.block_ids == [2]
