@@ -48,12 +48,11 @@ from common import header, table
 from threadpoolctl import threadpool_limits
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool
-from pagedkv.extra_keys import field
+from pagedkv.extra_keys import encode_extra_keys, field
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
-    encode_extra_keys,
     hash_function,
     token_bytes,
 )

@@ -18,8 +18,8 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import ceil_div
 from pagedkv.errors import InputTypeError
-from pagedkv.extra_keys import ExtraKeys
-from pagedkv.prefix_cache import check_token_ids, encode_extra_keys, pack_token_ids
+from pagedkv.extra_keys import ExtraKeys, encode_extra_keys
+from pagedkv.prefix_cache import check_token_ids, pack_token_ids
 from pagedkv.prefix_sharing import PrefixSharing
 from pagedkv.sequence import SequenceRecord, SequenceRegistry
 

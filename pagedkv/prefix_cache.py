@@ -34,7 +34,7 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.events import KVEventBuffer
-from pagedkv.extra_keys import block_tails, decode_extra_keys, encode_extra_keys, field
+from pagedkv.extra_keys import block_tails, field
 
 __all__ = [
     "HASH_KEY_SIZES",
@@ -43,8 +43,6 @@ __all__ = [
     "block_keys",
     "check_hash_algorithm",
     "check_token_ids",
-    "decode_extra_keys",
-    "encode_extra_keys",
     "hash_function",
     "pack_token_ids",
     "token_bytes",

@@ -18,13 +18,13 @@ from pagedkv.block_table import BlockTable
 from pagedkv.counts import ceil_div
 from pagedkv.errors import SequenceStateError
 from pagedkv.events import KVEventBuffer
+from pagedkv.extra_keys import decode_extra_keys
 from pagedkv.manager_config import ManagerConfig
 from pagedkv.pool import KVPool
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
-    decode_extra_keys,
     hash_function,
     token_bytes,
 )

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, batch_records, issued_slots
+from pagedkv.batch import Batch, batch_records, issued_slots, token_slot
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
 from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
@@ -60,7 +60,7 @@ def write_layer(
         SequenceStateError: the batch is stale, not the one ``reserve`` returned, or already written.
         ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
     """
-    token = batch.__dict__.get("_token") if batch.__class__ is Batch else None
+    token = token_slot(batch)
     if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
         seq_id, position, block_id, offset = token
         record = records.get(seq_id)

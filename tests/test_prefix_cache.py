@@ -27,10 +27,10 @@ from support.prefix import SHA256, Runner, from_scratch, key_chain, kv_of, make,
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
+from pagedkv.extra_keys import encode_extra_keys
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
-    encode_extra_keys,
     hash_function,
 )
 

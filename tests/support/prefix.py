@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from pagedkv import KVCacheManager
+from pagedkv.extra_keys import encode_extra_keys
 from pagedkv.prefix_cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
-    encode_extra_keys,
     hash_function,
     token_bytes,
 )
