@@ -143,6 +143,9 @@ class PrefixSharing:
         Changes nothing.
         """
         bs, sinks, window = self._block_size, self._num_sink_tokens, self._window
+        if window is None:  # the longest run from the first key, which stops at the first miss
+            hit = self.cache.longest_prefix(keys)
+            return (len(hit), min(sinks, len(hit) * bs), hit) if hit else (0, sinks, [])
         found = [self.cache.block_for(key) for key in keys]
         # run[i]: how many cached blocks end at block i, consecutively.
         run, length = [], 0
@@ -151,13 +154,9 @@ class PrefixSharing:
             run.append(length)
         lead = next((i for i, block_id in enumerate(found) if block_id is None), len(found))
         num_sink_blocks = ceil_div(sinks, bs)
-        candidates = [lead] if window is None else range(len(found), 0, -1)
-        for num_hit in candidates:
-            if not num_hit:
-                break
+        for num_hit in range(len(found), 0, -1):
             num_tokens = num_hit * bs
-            window_start = sinks if window is None else max(sinks, num_tokens + 1 - window)
-            window_start = min(window_start, num_tokens)
+            window_start = min(max(sinks, num_tokens + 1 - window), num_tokens)
             num_sinks = min(num_sink_blocks, num_hit)
             first = max(num_sinks, window_start // bs)
             if lead >= num_sinks and (first >= num_hit or run[num_hit - 1] >= num_hit - first):
