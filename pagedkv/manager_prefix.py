@@ -97,7 +97,8 @@ class PrefixCachingCommands:
         Raises:
             ConfigError: prefix caching is off.
         """
-        return self._prefix_sharing().stats.stats()
+        counters = self._counters
+        return self._prefix_sharing().stats.stats(counters["prefix_queries"], counters["prefix_hits"])
 
     @locked
     def reset_prefix_stats(self) -> None:

@@ -8,7 +8,7 @@ queries are the prompt's tokens and its hits the tokens found cached.
 >>> window = HitWindow(max_requests=2)
 >>> for queries, hits in [(10, 0), (10, 10), (10, 5)]:
 ...     window.record(queries, hits)
->>> stats = window.stats()
+>>> stats = window.stats(num_queries=30, num_hits=15)  # the cumulative counts are the manager's
 >>> stats.hit_rate, stats.recent_hit_rate, stats.num_recent_requests
 (0.5, 0.75, 2)
 """
@@ -31,7 +31,8 @@ class PrefixStats:
     """Prefix-cache lookups of one manager.
 
     Attributes:
-        num_requests: prompts looked up since the start or the last reset.
+        num_requests: prompts looked up since the start or the last reset (a
+            loaded snapshot starts counting again).
         num_queries: their tokens.
         num_hits: their tokens found cached.
         hit_rate: ``num_hits / num_queries`` (0.0 with no query).
@@ -48,24 +49,26 @@ class PrefixStats:
 
 
 class HitWindow:
-    """Hit counts, cumulative and over the last ``max_requests`` requests.
+    """The hits of the last ``max_requests`` requests, and how many requests there were.
+
+    The cumulative token counts are not kept here: they are the manager's
+    ``prefix_queries`` / ``prefix_hits`` counters (which snapshots save), and
+    ``stats`` takes them.
 
     Invariants:
         * the window holds at most ``max_requests`` entries;
-        * its sums equal the sums of its entries, and never exceed the cumulative ones.
+        * its sums equal the sums of its entries.
     """
 
     def __init__(self, max_requests: int = RECENT_REQUESTS) -> None:
         self.max_requests = check_count("max_requests", max_requests)
         self._recent: deque[tuple[int, int]] = deque()
         self._recent_queries = self._recent_hits = 0
-        self._requests = self._queries = self._hits = 0
+        self._requests = 0
 
     def record(self, num_queries: int, num_hits: int) -> None:
         """Count one request of ``num_queries`` tokens, ``num_hits`` of them cached."""
         self._requests += 1
-        self._queries += num_queries
-        self._hits += num_hits
         recent = self._recent
         if len(recent) == self.max_requests:
             old_queries, old_hits = recent.popleft()
@@ -76,18 +79,18 @@ class HitWindow:
         self._recent_hits += num_hits
 
     def reset(self) -> None:
-        """Forget every count."""
+        """Forget every request."""
         self._recent.clear()
         self._recent_queries = self._recent_hits = 0
-        self._requests = self._queries = self._hits = 0
+        self._requests = 0
 
-    def stats(self) -> PrefixStats:
-        """The counts and rates now."""
+    def stats(self, num_queries: int, num_hits: int) -> PrefixStats:
+        """The rates now, with the cumulative ``num_queries`` and ``num_hits`` tokens."""
         return PrefixStats(
             num_requests=self._requests,
-            num_queries=self._queries,
-            num_hits=self._hits,
-            hit_rate=self._hits / self._queries if self._queries else 0.0,
+            num_queries=num_queries,
+            num_hits=num_hits,
+            hit_rate=num_hits / num_queries if num_queries else 0.0,
             num_recent_requests=len(self._recent),
             recent_hit_rate=self._recent_hits / self._recent_queries if self._recent_queries else 0.0,
         )
@@ -97,7 +100,6 @@ class HitWindow:
         recent = self._recent
         if len(recent) > self.max_requests:
             raise AssertionError(f"{len(recent)} recent requests, window {self.max_requests}")
-        if (self._recent_queries, self._recent_hits) != tuple(map(sum, zip(*recent))) and recent:
+        sums = (sum(q for q, _ in recent), sum(h for _, h in recent))
+        if (self._recent_queries, self._recent_hits) != sums:
             raise AssertionError("the window's sums disagree with its entries")
-        if self._recent_queries > self._queries or self._recent_hits > self._hits:
-            raise AssertionError("recent counts exceed the cumulative ones")

@@ -21,10 +21,10 @@ def test_the_window_matches_sums_over_the_last_requests(requests: list[tuple[int
     for queries, num_hit in requests:
         hits.record(queries, num_hit)
         hits.check_invariants()
-    stats = hits.stats()
+    total_q, total_h = sum(q for q, _ in requests), sum(h for _, h in requests)
+    stats = hits.stats(total_q, total_h)
     recent = requests[-window:]
     assert (stats.num_requests, stats.num_recent_requests) == (len(requests), len(recent))
-    total_q, total_h = sum(q for q, _ in requests), sum(h for _, h in requests)
     recent_q, recent_h = sum(q for q, _ in recent), sum(h for _, h in recent)
     assert stats.hit_rate == (total_h / total_q if total_q else 0.0)
     assert stats.recent_hit_rate == (recent_h / recent_q if recent_q else 0.0)
@@ -41,7 +41,7 @@ def test_the_manager_counts_each_admission_and_resets() -> None:
     assert (stats.num_requests, stats.num_queries, stats.num_hits) == (2, 10, 4)
     assert stats.hit_rate == stats.recent_hit_rate == 0.4
     manager.reset_prefix_stats()
-    assert manager.prefix_stats().num_requests == 0
+    assert manager.prefix_stats().num_requests == 0 and manager.prefix_stats().num_queries == 0
     assert manager.metrics().num_prefix_queries == 0
     manager.check_invariants()
 
