@@ -21,6 +21,7 @@ never share one.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -82,7 +83,7 @@ def gather(keys: Array, values: Array, plan: ReadPlan, scratch: Scratch) -> tupl
 def _take(keys: Array, values: Array, rows: npt.NDArray[np.intp], scratch: Scratch) -> tuple[Array, Array]:
     """Rows ``rows`` (blocks or tokens) of ``keys``/``values`` into scratch, in order."""
     shape = (len(rows), *keys.shape[1:])
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     scratch_keys, scratch_values = scratch.take(size)
     key_out = scratch_keys[:size].reshape(shape)
     value_out = scratch_values[:size].reshape(shape)

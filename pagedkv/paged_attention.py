@@ -71,18 +71,17 @@ def attend_sequence(
         A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
     """
     last = table.num_tokens - 1
-    held = table.live_ranges()
     # A quantized pool gathers codes and scales and runs the chunked kernels;
     # everything else (which tokens, which mask) is the same.
     quantized = pool.quantized
     if len(queries) == 1:
-        visible = visible_ranges(table.num_sink_tokens, window, last)
-        ranges = held if visible == held else visible
+        ranges = visible_ranges(table.num_sink_tokens, window, last)
         if quantized:
             key_codes, value_codes = pool.gather_quantized(layer, table.read_plan(ranges))
             return attend_chunked(queries[0], key_codes, value_codes, scale, pool.dtype)[None]
         keys, values = pool.read(layer, table, ranges)  # (num_visible, num_kv_heads, head_dim)
         return attend_dense(queries[0], keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale)[None]
+    held = table.live_ranges()
     mask = _prefill_mask(table, held, window, len(queries))
     if quantized:
         key_codes, value_codes = pool.gather_quantized(layer, table.read_plan(held))

@@ -176,13 +176,6 @@ class PageViews:
         self._dead: list[int] = []
 
     @property
-    def num_ranges(self) -> int:
-        """Ranges reserved now."""
-        with self._lock:
-            self._release_dead()
-            return sum(len(views.ranges) for views in self._tables.values())
-
-    @property
     def num_mapped_blocks(self) -> int:
         """Blocks mapped now, over every range (an upper bound on the areas they take)."""
         with self._lock:
@@ -218,7 +211,7 @@ class PageViews:
                 views.state, views.arrays = state, {}
             whole = views.arrays.get(layer)
             if whole is None:
-                whole = self._map_window(table, views, layer, first, state)
+                whole = self._map_window(table, views, layer, first)
                 if whole is None:
                     self.stats.num_fallbacks += 1
                     self._release_locked(id(table))
@@ -260,7 +253,7 @@ class PageViews:
     # ---------------------------------------------------------------- private
 
     def _map_window(
-        self, table: BlockTable, views: _TableViews, layer: int, first: int, state: _State
+        self, table: BlockTable, views: _TableViews, layer: int, first: int
     ) -> tuple[Array, Array] | None:
         """Sync layer ``layer``'s two ranges: the window's keys and values ``(num_window * bs, H, d)``.
 
@@ -374,7 +367,4 @@ class PageViews:
 
     def _release_dead(self) -> None:
         while self._dead:
-            key = self._dead.pop()
-            self._finalizers.pop(key, None)
-            for piece in self._tables.pop(key, _TableViews()).ranges.values():
-                self._drop(piece)
+            self._release_locked(self._dead.pop())  # its finalizer has run: detaching it does nothing
