@@ -34,7 +34,7 @@ def test_rate_sweep_json_carries_every_plotted_figure(capsys: pytest.CaptureFixt
 def test_check_invariants_passes_under_every_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(
         capsys, "--workload", "alpaca", *SMALL, "--request-rate", "40", "--policies", "schedulers",
-        "--check-invariants", "--swap-space", "2MB", "--max-num-batched-tokens", "64",
+        "--check-invariants", "--swap-space", "256MB", "--max-num-batched-tokens", "64",
     )  # fmt: skip
     policies = data["policies"]
     assert isinstance(policies, dict)

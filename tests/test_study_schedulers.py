@@ -115,3 +115,19 @@ def test_the_paged_manager_sustains_higher_rates_than_every_reservation() -> Non
     assert sustained["paged"] > sustained["contiguous-oracle"] > sustained["contiguous"]
     paged = [p.result.latency.normalised_mean for p in points if p.system == "paged"]
     assert paged[-1] > paged[0]  # latency grows with the rate
+
+
+def test_a_second_preset_keeps_the_caller_s_knobs_and_drops_the_first_preset_s() -> None:
+    # report.run_policy("paged:NAME") applies NAME on top of the --scheduler preset the
+    # command line already applied: only the presets' knobs may change, never the caller's.
+    from pagedkv.simulate import Budget, SimConfig, with_scheduler
+
+    base = SimConfig(Budget(8192), block_size=16)
+    once = with_scheduler(base, "greedy", watermark=0.05)
+    twice = with_scheduler(with_scheduler(base, "vllm-v1", watermark=0.05), "greedy")
+    assert (twice.max_num_seqs, twice.watermark, twice.chunked_prefill) == (None, 0.05, False)
+    assert twice == once
+    swap = with_scheduler(base, "swap", swap_space_bytes=2**20)
+    assert with_scheduler(swap, "swap").num_host_blocks == swap.num_host_blocks
+    capped = SimConfig(Budget(8192), block_size=16, max_num_seqs=7)
+    assert with_scheduler(with_scheduler(capped, "vllm-v1"), "greedy").max_num_seqs == 7

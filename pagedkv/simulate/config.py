@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.simulate.cost import CostModel
 from pagedkv.simulate.shape import ModelShape
+
+#: vLLM's default swap space: 4 GiB of host memory per device.
+DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
 
 __all__ = ["Budget", "BudgetError", "ModelShape", "SimConfig", "parse_bytes"]
 
@@ -146,6 +150,11 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     chunked_prefill: bool = False
     growth_reserve_steps: int = 0
+    #: What the caller chose on top of the scheduler preset (``with_scheduler``
+    #: keeps it, so applying another preset later keeps the caller's knobs),
+    #: and the host memory for swap; None until a preset was applied.
+    scheduler_overrides: tuple[tuple[str, Any], ...] | None = field(default=None, repr=False)
+    swap_space_bytes: int = field(default=DEFAULT_SWAP_SPACE_BYTES, repr=False)
 
     def __post_init__(self) -> None:
         for name, minimum in (("block_size", 1), ("sample_every", 1)):

@@ -35,12 +35,10 @@ from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.simulate.baseline import RESERVE_RULES
-from pagedkv.simulate.config import SimConfig
+from pagedkv.simulate.config import DEFAULT_SWAP_SPACE_BYTES, SimConfig
 
 __all__ = ["DEFAULT_SWAP_SPACE_BYTES", "SCHEDULERS", "parse_system", "with_scheduler"]
 
-#: vLLM's default swap space: 4 GiB of host memory per device.
-DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
 
 #: ``name -> SimConfig fields`` it sets (swap's host pool is sized by :func:`with_scheduler`).
 SCHEDULERS: dict[str, dict[str, Any]] = {
@@ -57,6 +55,7 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 }
 
 _RESET: dict[str, Any] = {
+    "max_num_seqs": None,
     "watermark": 0.01,
     "preempt_mode": "recompute",
     "num_host_blocks": 0,
@@ -67,30 +66,49 @@ _RESET: dict[str, Any] = {
 
 
 def with_scheduler(
-    config: SimConfig, name: str, *, swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES, **overrides: Any
+    config: SimConfig, name: str, *, swap_space_bytes: int | None = None, **overrides: Any
 ) -> SimConfig:
-    """``config`` with the knobs of scheduler ``name`` (then ``overrides``) set.
+    """``config`` with the knobs of scheduler ``name`` (then the caller's) set.
+
+    The caller's knobs are remembered on the result: ``overrides`` given here,
+    the ones an earlier call was given, and a fresh config's own
+    ``max_num_seqs``. So applying a second preset (``--policies paged:NAME``
+    after ``--scheduler``) resets only what the presets set.
 
     Args:
         config: the rest of the settings (budget, block size, cost model...).
         name: a key of :data:`SCHEDULERS`.
-        swap_space_bytes: host memory for ``swap``, in the cost model's KV bytes.
+        swap_space_bytes: host memory for ``swap``, in the cost model's KV
+            bytes (default: the earlier call's, else 4 GiB).
         overrides: SimConfig fields to set after the preset (``watermark=0.05``).
 
     Raises:
         ConfigError: an unknown name, or knobs that do not go together.
+
+    >>> from pagedkv.simulate import Budget
+    >>> base = SimConfig(Budget(4096), block_size=16)
+    >>> twice = with_scheduler(with_scheduler(base, "vllm-v1", watermark=0.05), "greedy")
+    >>> twice.max_num_seqs, twice.watermark
+    (None, 0.05)
     """
     if name not in SCHEDULERS:
         raise ConfigError(f"unknown scheduler {name!r}; expected one of {', '.join(SCHEDULERS)}")
+    if config.scheduler_overrides is None:  # a fresh config: its own max_num_seqs is the caller's
+        kept = {} if config.max_num_seqs is None else {"max_num_seqs": config.max_num_seqs}
+    else:
+        kept = dict(config.scheduler_overrides)
+    kept.update(overrides)
+    space = config.swap_space_bytes if swap_space_bytes is None else swap_space_bytes
     fields = dict(_RESET)
-    if config.max_num_seqs is not None:
-        fields["max_num_seqs"] = config.max_num_seqs
     fields.update(SCHEDULERS[name])
     if fields.get("preempt_mode") == "swap":
         block_bytes = config.block_size * config.cost.shape.bytes_per_token
-        fields["num_host_blocks"] = max(1, swap_space_bytes // block_bytes)
-    fields.update(overrides)
-    return dataclasses.replace(config, scheduler=name, **fields)
+        fields["num_host_blocks"] = max(1, space // block_bytes)
+    fields.update(kept)
+    return dataclasses.replace(
+        config, scheduler=name, scheduler_overrides=tuple(sorted(kept.items())), swap_space_bytes=space,
+        **fields,
+    )
 
 
 def parse_system(name: str) -> tuple[str, str | None]:
