@@ -7,12 +7,10 @@ import pytest
 from pagedkv.errors import ConfigError
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.simulate import Budget, SimConfig
-from pagedkv.simulate.cluster import events_available, run_cluster
+from pagedkv.simulate.cluster import run_cluster
 from pagedkv.simulate.conversations import conversations
 from pagedkv.simulate.router import LeastLoaded, PrefixAware, RoundRobin
 from pagedkv.simulate.workload import WorkloadError
-
-needs_events = pytest.mark.skipif(not events_available(), reason="the manager has no KV events (issue 15)")
 
 
 def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int]) -> BlockStored:
@@ -77,7 +75,7 @@ def test_an_event_of_another_block_size_is_refused_and_nothing_is_indexed() -> N
 
 
 @pytest.mark.parametrize(
-    "router", ["round-robin", "least-loaded", pytest.param("prefix-aware", marks=needs_events)]
+    "router", ["round-robin", "least-loaded", "prefix-aware"]
 )
 def test_every_router_keeps_every_replica_consistent(router: str) -> None:
     workload = conversations(10, num_turns=3, num_system_prompts=2, system_prompt_len=40, rate=4.0, seed=1,
@@ -89,7 +87,6 @@ def test_every_router_keeps_every_replica_consistent(router: str) -> None:
     assert result.latency.num_requests == result.num_finished
 
 
-@needs_events
 def test_prefix_aware_routing_finds_more_of_each_conversation() -> None:
     workload = conversations(60, num_turns=4, num_system_prompts=4, system_prompt_len=100, rate=2.0, seed=0)
     config = SimConfig(Budget(15728), block_size=16, enable_prefix_caching=True)  # 12 GiB of OPT-13B
@@ -106,6 +103,5 @@ def test_cluster_errors_name_the_value() -> None:
         run_cluster(workload, config, 0, "round-robin")
     with pytest.raises(ConfigError, match="unknown router 'random'"):
         run_cluster(workload, config, 2, "random")
-    if events_available():
-        with pytest.raises(ConfigError, match="needs prefix caching"):
-            run_cluster(workload, config, 2, "prefix-aware")
+    with pytest.raises(ConfigError, match="needs prefix caching"):
+        run_cluster(workload, config, 2, "prefix-aware")

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv import KVCacheManager
 from pagedkv.errors import ConfigError
 from pagedkv.simulate.config import SimConfig
 from pagedkv.simulate.engine import PagedEngine
@@ -37,12 +36,7 @@ from pagedkv.simulate.result import PolicyResult
 from pagedkv.simulate.router import make_router
 from pagedkv.simulate.workload import Workload
 
-__all__ = ["ClusterResult", "events_available", "format_cluster", "run_cluster"]
-
-
-def events_available() -> bool:
-    """Whether the manager emits KV events (``drain_kv_events``, issue 15) in this build."""
-    return hasattr(KVCacheManager, "drain_kv_events")
+__all__ = ["ClusterResult", "format_cluster", "run_cluster"]
 
 
 @dataclass
@@ -89,16 +83,11 @@ def run_cluster(workload: Workload, config: SimConfig, num_replicas: int, router
 
     Raises:
         ConfigError: fewer than one replica, an unknown router, or the
-            prefix-aware router where the manager emits no KV events.
+            prefix-aware router without prefix caching on the replicas.
     """
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
     router = make_router(router_name, config.block_size)
-    if router.wants_events and not events_available():
-        raise ConfigError(
-            f"the {router_name} router routes by KV events, and this manager has no drain_kv_events "
-            "(issue 15); use round-robin or least-loaded"
-        )
     if router.wants_events and not config.enable_prefix_caching:
         raise ConfigError(f"the {router_name} router needs prefix caching on the replicas")
     start = time.perf_counter()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedkv.errors import ConfigError, PoolTooLargeError
-from pagedkv.simulate.cluster import events_available, format_cluster, run_cluster
+from pagedkv.simulate.cluster import format_cluster, run_cluster
 from pagedkv.simulate.config import BudgetError, SimConfig
 from pagedkv.simulate.engine import PagedEngine
 from pagedkv.simulate.kernel import KernelCost
@@ -175,13 +175,6 @@ def _cluster(args: argparse.Namespace) -> int:
     bar = Progress("routers", len(routers), unit="routers") if _wants_progress(args) else None
     results = []
     for name in routers:
-        if name == "prefix-aware" and not events_available():
-            print(
-                "pagedkv simulate: note: prefix-aware routing needs the manager's KV events (issue 15), "
-                "not in this build; skipped",
-                file=sys.stderr,
-            )
-            continue
         results.append(run_cluster(workload, config, args.replicas, name))
         if bar is not None:
             bar.update(len(results), name)

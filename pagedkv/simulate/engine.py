@@ -110,16 +110,12 @@ class PagedEngine:
         host_pool = None
         if config.num_host_blocks:
             host_pool = KVPool(config.num_host_blocks, block_size=bs, head_dim=1, dtype=np.float32)
-        # NOTE: kv_events is passed only when asked for, so the engine runs on
-        # a manager without KV events (issue 15) too; a router that needs them
-        # checks for drain_kv_events first.
-        events: dict[str, Any] = {"kv_events": True} if kv_events else {}
         self.manager = KVCacheManager(
             self.pool,
             max_size=config.max_size,
             enable_prefix_caching=config.enable_prefix_caching,
             host_pool=host_pool,
-            **events,
+            kv_events=kv_events,
         )
         self.result = PolicyResult("paged", scheduler=config.scheduler)
         self.sequences = SequenceBook(self.manager, self.result, with_tokens=config.enable_prefix_caching)

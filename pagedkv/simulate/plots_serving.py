@@ -164,7 +164,7 @@ def serving_figures(out_dir: str | Path, kinds: Sequence[str], *, log: Any = pri
         MissingExtraError: matplotlib is not installed.
     """
     pyplot()
-    from pagedkv.simulate.cluster import events_available, run_cluster
+    from pagedkv.simulate.cluster import run_cluster
     from pagedkv.simulate.config import Budget, ModelShape, SimConfig, parse_bytes
     from pagedkv.simulate.conversations import conversations
     from pagedkv.simulate.ratesweep import DEFAULT_RATES, rate_sweep
@@ -200,7 +200,7 @@ def serving_figures(out_dir: str | Path, kinds: Sequence[str], *, log: Any = pri
         chat = SimConfig(
             Budget.from_bytes(parse_bytes("12GiB"), ModelShape()), block_size=16, enable_prefix_caching=True
         )
-        routers = ["round-robin", "least-loaded"] + (["prefix-aware"] if events_available() else [])
+        routers = ["round-robin", "least-loaded", "prefix-aware"]
         results = [run_cluster(workload, chat, 4, name) for name in routers]
         written.append(
             plot_routers(
