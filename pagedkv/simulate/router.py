@@ -158,23 +158,30 @@ class PrefixAware(Router):
             if counts != held:
                 raise AssertionError(f"replica {replica}'s block counts disagree with its stored blocks")
 
-    def num_cached_blocks(self, replica: int, prompt: Sequence[int]) -> int:
-        """Leading full blocks of ``prompt`` that ``replica`` reported cached."""
-        _, held = self._replica(replica)
-        bs, count = self.block_size, 0
+    def chain(self, prompt: Sequence[int]) -> list[Hashable]:
+        """The router's key of each full block of ``prompt``, chained as ``observe`` keys them."""
+        bs, keys = self.block_size, []
         parent: Hashable = None
         for start in range(0, len(prompt) - bs + 1, bs):
-            key: Hashable = hash((parent, tuple(prompt[start : start + bs])))
-            if key not in held:
-                break
-            count += 1
-            parent = key
-        return count
+            parent = hash((parent, tuple(prompt[start : start + bs])))
+            keys.append(parent)
+        return keys
+
+    def num_cached_blocks(
+        self, replica: int, prompt: Sequence[int], chain: list[Hashable] | None = None
+    ) -> int:
+        """Leading full blocks of ``prompt`` that ``replica`` reported cached (``chain``: its keys, if known)."""
+        _, held = self._replica(replica)
+        keys = self.chain(prompt) if chain is None else chain
+        return next((count for count, key in enumerate(keys) if key not in held), len(keys))
 
     def choose(self, prompt: Sequence[int], loads: Sequence[int]) -> int:
-        """The replica with the best cached blocks less weighted load (ties: less loaded, lower index)."""
-        weight = self.load_weight
-        scores = [self.num_cached_blocks(r, prompt) - weight * loads[r] for r in range(len(loads))]
+        """The replica with the best cached blocks less weighted load (ties: less loaded, lower index).
+
+        The prompt's chain is computed once and looked up in every replica's index.
+        """
+        weight, chain = self.load_weight, self.chain(prompt)
+        scores = [self.num_cached_blocks(r, prompt, chain) - weight * loads[r] for r in range(len(loads))]
         return max(range(len(loads)), key=lambda r: (scores[r], -loads[r], -r))
 
 
