@@ -170,7 +170,7 @@ class PrefixAware(Router):
     def num_cached_blocks(
         self, replica: int, prompt: Sequence[int], chain: list[Hashable] | None = None
     ) -> int:
-        """Leading full blocks of ``prompt`` that ``replica`` reported cached (``chain``: its keys, if known)."""
+        """Leading full blocks of ``prompt`` that ``replica`` reported cached (``chain``: their keys)."""
         _, held = self._replica(replica)
         keys = self.chain(prompt) if chain is None else chain
         return next((count for count, key in enumerate(keys) if key not in held), len(keys))
