@@ -160,7 +160,8 @@ class PrefixAware(Router):
 
     def chain(self, prompt: Sequence[int]) -> list[Hashable]:
         """The router's key of each full block of ``prompt``, chained as ``observe`` keys them."""
-        bs, keys = self.block_size, []
+        bs = self.block_size
+        keys: list[Hashable] = []
         parent: Hashable = None
         for start in range(0, len(prompt) - bs + 1, bs):
             parent = hash((parent, tuple(prompt[start : start + bs])))
