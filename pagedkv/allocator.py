@@ -163,6 +163,14 @@ class BlockAllocator(CachedBlockMarks):
         ref_counts = self._ref_counts
         return max((ref_counts[block_id] for block_id in block_ids), default=0)
 
+    def is_shared(self, block_id: int) -> bool:
+        """Whether more than one table holds ``block_id``; the id is not checked (as ``max_ref_count``).
+
+        >>> BlockAllocator(2).is_shared(0)
+        False
+        """
+        return self._ref_counts[block_id] > 1
+
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``.
 

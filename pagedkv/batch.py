@@ -86,7 +86,7 @@ class _ReadOnlyArray:
     ``reserve`` hands its Python values over as they are (the slot pieces,
     or the per-sequence counts for ``query_start``); the array is made the
     first time someone reads the field. A single-token decode whose
-    ``write`` never reads ``slot_mapping`` (it copies by block and offset)
+    ``write`` never reads ``slot_mapping`` (it copies by the slot it keeps)
     builds no array at all. An array given to the constructor is made
     read-only at once; a list of ints is taken as slots.
     """
@@ -196,33 +196,31 @@ def issue_batch(
 
 
 #: Where the one new token of a single-token batch goes, computed once by ``reserve``:
-#: ``(seq_id, position, block_id, offset)``. A plain tuple: one is built every decode step.
-TokenSlot = tuple[Hashable, int, int, int]
+#: ``(seq_id, position, slot)``. A plain tuple: one is built every decode step.
+TokenSlot = tuple[Hashable, int, int]
 
 _ONE = (1,)  # num_new_tokens of every single-token batch (and its query_start, made when read)
 
 
-def issue_token_batch(
-    seq_id: Hashable, position: int, block_id: int, offset: int, block_size: int, reservation_id: int
-) -> Batch:
+def issue_token_batch(seq_id: Hashable, position: int, slot: int, reservation_id: int) -> Batch:
     """The :class:`Batch` of one new token of one sequence (a decode), with its ``TokenSlot``.
 
-    ``issue_batch``'s batch, plus the token's block and offset, so that each
-    layer's ``write`` copies the token's row without reading any array or
-    dividing its slot again.
+    ``issue_batch``'s batch, plus ``(seq_id, position, slot)`` kept as Python
+    ints, so that each layer's ``write`` copies the token's row without
+    reading any array.
 
-    >>> batch = issue_token_batch("a", 5, 7, 1, 4, 3)
+    >>> batch = issue_token_batch("a", 5, 29, 3)
     >>> batch.slot_mapping.tolist(), batch.query_start.tolist(), token_slot(batch)
-    ([29], [0, 1], ('a', 5, 7, 1))
+    ([29], [0, 1], ('a', 5, 29))
     """
     batch = object.__new__(Batch)
     fields = batch.__dict__
     fields["seq_ids"] = (seq_id,)
     fields["num_new_tokens"] = fields["query_start"] = _ONE
     fields["first_positions"] = (position,)
-    fields["slot_mapping"] = fields["_slots"] = [block_id * block_size + offset]
+    fields["slot_mapping"] = fields["_slots"] = [slot]
     fields["reservation_ids"] = (reservation_id,)
-    fields["_token"] = (seq_id, position, block_id, offset)
+    fields["_token"] = (seq_id, position, slot)
     return batch
 
 

@@ -300,16 +300,52 @@ class BlockTable:
                 f"appending {num_tokens} tokens needs {self.num_new_blocks(num_tokens)} "
                 f"new blocks, got {len(new_block_ids)}"
             )
-        for block_id in new_block_ids:
-            if len(self._sink_ids) < self.num_sink_blocks:
-                self._sink_ids.append(block_id)
-                continue
-            if self._ids and self._ids[-1] + 1 != block_id:
+        if not new_block_ids:
+            self.num_tokens += num_tokens
+            return
+        sink_ids, ids = self._sink_ids, self._ids
+        window_ids = new_block_ids
+        if len(sink_ids) < self.num_sink_blocks:
+            num_sinks = self.num_sink_blocks - len(sink_ids)
+            sink_ids.extend(new_block_ids[:num_sinks])
+            window_ids = new_block_ids[num_sinks:]
+        if window_ids:
+            first = window_ids[0]
+            if ids and ids[-1] + 1 != first:
                 self._num_breaks += 1
-            self._ids.append(block_id)
-        if new_block_ids:
-            self.blocks_version += 1
+            # NOTE: one C-level compare finds the common case (a prefill's new
+            # blocks are consecutive ids); only other lists are walked.
+            if window_ids != list(range(first, first + len(window_ids))):
+                self._num_breaks += count_breaks(window_ids)
+            ids.extend(window_ids)
+        self.blocks_version += 1
         self.num_tokens += num_tokens
+
+    def append_token(self, new_block_id: int | None) -> None:
+        """Record one new token: ``append(1, ...)`` for a decode, with its block (None: the last has room).
+
+        ``new_block_id`` must be given exactly when the last block is full
+        (``num_new_blocks(1) == 1``).
+
+        >>> table = BlockTable(block_size=2)
+        >>> table.append_token(5); table.append_token(None); table.append_token(6)
+        >>> table.block_ids, table.num_tokens
+        ([5, 6], 3)
+        """
+        needs_block = not self.num_tokens % self.block_size
+        if new_block_id is None:
+            if needs_block:
+                raise BlockTableError("appending 1 tokens needs 1 new blocks, got 0")
+        elif not needs_block or len(self._sink_ids) < self.num_sink_blocks:
+            self.append(1, [new_block_id])  # says what is wrong, or fills a sink block
+            return
+        else:
+            ids = self._ids
+            if ids and ids[-1] + 1 != new_block_id:
+                self._num_breaks += 1
+            ids.append(new_block_id)
+            self.blocks_version += 1
+        self.num_tokens += 1
 
     def evict_to(self, window_start: int) -> list[int]:
         """Evict every window index below ``window_start``; return the blocks now unused.

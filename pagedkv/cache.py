@@ -372,11 +372,11 @@ class KVCache:
         released = table.evict_to(window_start)
         if released:
             pool.allocator.free(released)
-        new_ids = [self._take_block(pool)] if num_new else []
-        offset = table.num_tokens % self._block_size
-        table.append(1, new_ids)
+        slot = table.num_tokens % self._block_size
+        table.append_token(self._take_block(pool) if num_new else None)
+        slot += table.last_block_id * self._block_size
         heads = (pool.num_kv_heads, pool.head_dim)
-        pool.write_one(0, table.last_block_id, offset, key.reshape(heads), value.reshape(heads))
+        pool.write_token(0, slot, key.reshape(heads), value.reshape(heads))
 
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)

@@ -48,7 +48,10 @@ class PageStore:
         * key and value pages have shape
           ``(num_blocks, block_size, num_kv_heads, head_dim)`` for every layer;
         * a side stored with scales has ``(num_blocks, block_size,
-          num_kv_heads, num_groups)`` scales per layer, any other side none.
+          num_kv_heads, num_groups)`` scales per layer, any other side none;
+        * unquantized, ``_token_rows[layer]`` are ``(num_slots, H, d)`` views
+          of that layer's current key and value pages (``write_token`` copies
+          into them), rebuilt whenever the pages are replaced.
     """
 
     def __init__(
@@ -73,6 +76,8 @@ class PageStore:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_layers = num_layers
+        #: The shape of one token's keys (or values) for ``write``: ``(1, num_kv_heads, head_dim)``.
+        self.token_shape = (1, num_kv_heads, head_dim)
         self.dtype = dtype
         #: Storage dtype names of keys and values (None: stored in ``dtype``).
         self.key_dtype = key_dtype
@@ -86,6 +91,7 @@ class PageStore:
         value_store = self._value_format.code_dtype if self._value_format else dtype
         self._pages: PageArrays = new_page_arrays(num_layers, shape, key_store, value_store, in_file)
         self._keys, self._values = self._pages.keys, self._pages.values
+        self._token_rows = self._flat_rows()
         # Scales (num_blocks, block_size, num_kv_heads, num_groups) per scaled side and layer.
         self._key_scales = self._new_scales(self._key_format, num_blocks)
         self._value_scales = self._new_scales(self._value_format, num_blocks)
@@ -272,12 +278,25 @@ class PageStore:
         value: npt.NDArray[np.floating],
     ) -> None:
         """Store one token's ``key``/``value`` ``(num_kv_heads, head_dim)`` (quantizing them)."""
-        if self.quantized:
-            slot = np.array([block_id * self.block_size + offset], np.intp)
-            self.write(layer, slot, key[None], value[None])
+        self.write_token(layer, block_id * self.block_size + offset, key, value)
+
+    def write_token(
+        self, layer: int, slot: int, key: npt.NDArray[np.floating], value: npt.NDArray[np.floating]
+    ) -> None:
+        """Store one token's ``key`` and ``value`` at ``slot``: each ``(H, d)`` or ``(1, H, d)``.
+
+        NOTE: the decode ``write`` of every layer ends here: an int index into
+        the ``(num_slots, H, d)`` view of each side is the cheapest copy numpy
+        has for one row (about half of a ``[block_id, offset]`` index).
+        """
+        rows = self._token_rows
+        if rows is None:  # quantized: codes and scales
+            slots = np.array([slot], np.intp)
+            self.write(layer, slots, key.reshape(1, *key.shape[-2:]), value.reshape(1, *value.shape[-2:]))
             return
-        self._keys[layer][block_id, offset] = key
-        self._values[layer][block_id, offset] = value
+        key_rows, value_rows = rows[layer]
+        key_rows[slot] = key
+        value_rows[slot] = value
 
     def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
         """Copy every layer's contents of ``sources`` into ``destinations``."""
@@ -315,12 +334,20 @@ class PageStore:
             for layer, (array, new_array) in enumerate(zip(arrays, new_arrays)):
                 new_array[: array.shape[0]] = array
                 arrays[layer] = new_array
+        self._token_rows = self._flat_rows()
 
     def _move_pages(self, block_ids: list[int]) -> None:
         """Copy the blocks ``block_ids`` to ids ``0 .. k - 1`` in that order, in every array."""
         for arrays in self._groups():
             for array in arrays:
                 array[: len(block_ids)] = array[block_ids]
+
+    def _flat_rows(self) -> list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] | None:
+        """Each layer's keys and values as ``(num_slots, H, d)`` views (None when quantized)."""
+        if self.quantized:
+            return None
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return [(keys.reshape(flat), values.reshape(flat)) for keys, values in zip(self._keys, self._values)]
 
     def _groups(self) -> tuple[list[npt.NDArray[Any]], ...]:
         return (self._keys, self._values, self._key_scales, self._value_scales)
@@ -331,6 +358,10 @@ class PageStore:
         for array in self._keys + self._values:
             if array.shape != shape:
                 raise AssertionError(f"storage shape {array.shape}, expected {shape}")
+        for layer, (key_rows, value_rows) in enumerate(self._token_rows or []):
+            for rows, pages in ((key_rows, self._keys[layer]), (value_rows, self._values[layer])):
+                if rows.size != pages.size or rows.ctypes.data != pages.ctypes.data:
+                    raise AssertionError(f"layer {layer}'s token rows are not a view of its pages")
         sides = ((self._key_format, self._key_scales), (self._value_format, self._value_scales))
         for storage, scales in sides:
             expected = [] if storage is None else [(*shape[:3], storage.num_groups)] * self.num_layers

@@ -163,8 +163,8 @@ def reserve_one(
     of it. tests/test_manager_speed_paths.py feeds the same calls to this
     path and the general one and compares every state, batch and error, and
     runs the state machines with this path off. Its batch carries the
-    token's block and offset (``issue_token_batch``), so each layer's
-    ``write`` copies the row without dividing the slot again.
+    token's slot (``issue_token_batch``), so each layer's
+    ``write`` copies the row without reading any array.
     """
     if window is not None:
         return None
@@ -205,19 +205,18 @@ def reserve_one(
     offset = num_tokens % bs
     if offset:
         block_id = table.last_block_id
-        if allocator.ref_count(block_id) > 1:
+        if allocator.is_shared(block_id):
             return None  # a shared, partly filled last block: copy-on-write
-        new_ids: list[int] = []
+        new_id = None
     else:
         try:
-            block_id = allocator.allocate_one()  # raises with nothing changed
+            block_id = new_id = allocator.allocate_one()  # raises with nothing changed
         except PoolExhaustedError:
             return None  # the general path raises it with the pool's numbers
-        new_ids = [block_id]
     # ---- validated (and any new block taken): nothing below can fail ----
     if record.token_ids is not None:  # keying is on for it (off: nothing to note)
         record.note_reserved(token_ids, None)
-    table.append(1, new_ids)
+    table.append_token(new_id)
     record.reservation_id = stamp = next(_RESERVATION_IDS)
-    record.batch = batch = issue_token_batch(seq_id, num_tokens, block_id, offset, bs, stamp)
+    record.batch = batch = issue_token_batch(seq_id, num_tokens, block_id * bs + offset, stamp)
     return batch

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, batch_records, issued_slots, token_slot
+from pagedkv.batch import Batch, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
 from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
@@ -51,7 +51,7 @@ def write_layer(
     have the right type, dtype, shape and values), each made once, in the
     order that finds the common case fastest; anything unusual falls through
     to the general path, which raises what is wrong. The token's row is
-    copied by block and offset (one ``(num_kv_heads, head_dim)`` row per side
+    copied by its slot (one ``(num_kv_heads, head_dim)`` row per side
     of token-major pages). Each branch is tested against the other
     (tests/test_speed_write.py).
 
@@ -60,9 +60,9 @@ def write_layer(
         SequenceStateError: the batch is stale, not the one ``reserve`` returned, or already written.
         ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
     """
-    token = token_slot(batch)
+    token = batch.__dict__.get("_token") if batch.__class__ is Batch else None  # token_slot(batch)
     if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
-        seq_id, position, block_id, offset = token
+        seq_id, position, slot = token
         record = records.get(seq_id)
         if (
             record is not None
@@ -71,10 +71,10 @@ def write_layer(
             and record.num_written[layer] == position
         ):
             key_array, value_array, largest_key = check_token_pair(
-                keys, values, pool.dtype, (1, pool.num_kv_heads, pool.head_dim), not trusted_inputs
+                keys, values, pool.dtype, pool.token_shape, not trusted_inputs
             )
             # ---- validated ----
-            pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
+            pool.write_token(layer, slot, key_array, value_array)
             if largest_key > max_abs_key[layer]:
                 max_abs_key[layer] = largest_key
             end = record.num_written[layer] = position + 1
@@ -96,9 +96,8 @@ def write_layer(
     )
     # ---- validated ----
     slot = issued_slots(batch)[0]
-    if expected[0] == 1 and isinstance(slot, int):  # one token: copied by block and offset
-        block_id, offset = divmod(slot, pool.block_size)
-        pool.write_one(layer, block_id, offset, key_array[0], value_array[0])
+    if expected[0] == 1 and isinstance(slot, int):  # one token: copied by its slot
+        pool.write_token(layer, slot, key_array, value_array)
     else:
         pool.write(layer, batch.slot_mapping, key_array, value_array)
     if largest_key > max_abs_key[layer]:

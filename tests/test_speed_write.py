@@ -121,16 +121,16 @@ def test_a_decode_write_does_what_the_general_path_does(options: dict[str, Any],
         managers["plain"].check_invariants()
 
 
-def test_a_decode_batch_knows_its_tokens_block_and_offset() -> None:
+def test_a_decode_batch_knows_its_tokens_slot() -> None:
     manager = make_manager(8, block_size=4)
     manager.add_sequence("a")
     settle(manager, {"a": 5})
     batch = manager.reserve({"a": 1})
     # block_size 4:  block b0: t0 t1 t2 t3 | block b1: t4 [t5] . .   (t5 is the new token)
-    seq_id, position, block_id, offset = token_slot(batch)  # type: ignore[misc]
-    assert (seq_id, position, offset) == ("a", 5, 1)
-    assert block_id == manager.block_table("a").block_ids[1]
-    assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)] == [block_id * 4 + 1]
+    seq_id, position, slot = token_slot(batch)  # type: ignore[misc]
+    assert (seq_id, position) == ("a", 5)
+    block_id = manager.block_table("a").block_ids[1]
+    assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)] == [block_id * 4 + 1] == [slot]
     by_hand = Batch(("a",), (1,), (5,), np.array([0, 1]), batch.slot_mapping, batch.reservation_ids)
     assert token_slot(by_hand) is None  # only reserve's own batch has one (and write refuses this one)
     with pytest.raises(SequenceStateError, match="not the one reserve"):
@@ -144,7 +144,7 @@ def test_a_new_block_takes_the_decode_token_at_offset_zero() -> None:
     settle(manager, {"a": 4})
     batch = manager.reserve({"a": 1})
     # block_size 4:  block b0: t0 t1 t2 t3 | block b1 (new): [t4] . . .
-    assert token_slot(batch)[1:] == (4, manager.block_table("a").block_ids[1], 0)  # type: ignore[index]
+    assert token_slot(batch)[1:] == (4, manager.block_table("a").block_ids[1] * 4)  # type: ignore[index]
     manager.write(0, batch, np.full((1, 1, 1), 2.0), np.full((1, 1, 1), 3.0))
     block_id = manager.block_table("a").block_ids[1]
     assert manager.pool.key_pages(0)[block_id, 0].tolist() == [[2.0]]
@@ -152,7 +152,7 @@ def test_a_new_block_takes_the_decode_token_at_offset_zero() -> None:
 
 
 def test_an_issued_token_batch_matches_the_slot_rule() -> None:
-    batch = issue_token_batch("s", 9, 3, 1, 8, 77)
+    batch = issue_token_batch("s", 9, 3 * 8 + 1, 77)
     assert batch.slot_mapping.tolist() == [3 * 8 + 1]
     assert batch.query_start.tolist() == [0, 1]
     assert (batch.seq_ids, batch.num_new_tokens, batch.first_positions, batch.reservation_ids) == (
