@@ -107,7 +107,10 @@ class _ReadOnlyArray:
         if batch is None:
             raise AttributeError(self._name)  # no class-level default: the field is required
         stored = batch.__dict__
-        value = stored[self._name]
+        try:
+            value = stored[self._name]
+        except KeyError:  # a decode batch: its fields are made when first read
+            value = batch.__getattr__(self._name)
         if value.__class__ is not np.ndarray:
             value = stored[self._name] = _read_only(self._from_ints(value))
         return value
@@ -126,6 +129,19 @@ def _slot_array(pieces: Sequence[SlotPiece]) -> npt.NDArray[np.int64]:
 
 def _query_start(counts: Sequence[int]) -> npt.NDArray[np.int64]:
     return np.array([0, *accumulate(counts)], np.int64)
+
+
+#: Where the one new token of a single-token batch goes, computed once by ``reserve``:
+#: ``(seq_id, position, slot, reservation_id)``. A plain tuple: one is built every decode step.
+TokenSlot = tuple[Hashable, int, int, int]
+
+_ONE = (1,)  # num_new_tokens of every single-token batch (and its query_start, made when read)
+
+#: The fields a decode batch makes when first read.
+_DECODE_FIELDS = frozenset(
+    {"seq_ids", "num_new_tokens", "first_positions", "query_start", "slot_mapping", "reservation_ids"}
+    | {"_slots"}
+)
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,20 @@ class Batch:
     slot_mapping: _ReadOnlyArray = _ReadOnlyArray(_slot_array)
     # mypy counts the descriptors above as defaults; at run time they have none (see _ReadOnlyArray).
     reservation_ids: tuple[int, ...] = field(repr=False)  # type: ignore[misc]
+
+    def __getattr__(self, name: str) -> Any:
+        """A field of a decode batch, made from its ``TokenSlot`` when first read (``issue_token_batch``)."""
+        fields = self.__dict__
+        token: TokenSlot | None = fields.get("_token")
+        if token is None or name not in _DECODE_FIELDS or "seq_ids" in fields:
+            raise AttributeError(f"'Batch' object has no attribute {name!r}")
+        seq_id, position, slot, reservation_id = token
+        fields["seq_ids"] = (seq_id,)
+        fields["num_new_tokens"] = fields["query_start"] = _ONE
+        fields["first_positions"] = (position,)
+        fields["slot_mapping"] = fields["_slots"] = [slot]
+        fields["reservation_ids"] = (reservation_id,)
+        return fields[name]
 
     @property
     def num_tokens(self) -> int:
@@ -195,32 +225,23 @@ def issue_batch(
     return batch
 
 
-#: Where the one new token of a single-token batch goes, computed once by ``reserve``:
-#: ``(seq_id, position, slot)``. A plain tuple: one is built every decode step.
-TokenSlot = tuple[Hashable, int, int]
-
-_ONE = (1,)  # num_new_tokens of every single-token batch (and its query_start, made when read)
 
 
 def issue_token_batch(seq_id: Hashable, position: int, slot: int, reservation_id: int) -> Batch:
-    """The :class:`Batch` of one new token of one sequence (a decode), with its ``TokenSlot``.
+    """The :class:`Batch` of one new token of one sequence (a decode), holding only its ``TokenSlot``.
 
-    ``issue_batch``'s batch, plus ``(seq_id, position, slot)`` kept as Python
-    ints, so that each layer's ``write`` copies the token's row without
-    reading any array.
+    Every field ``issue_batch`` would set is made from the ``TokenSlot``
+    when first read (``Batch.__getattr__``): an engine's decode ``write``
+    reads only the token, so most decode batches never build the tuples.
 
     >>> batch = issue_token_batch("a", 5, 29, 3)
-    >>> batch.slot_mapping.tolist(), batch.query_start.tolist(), token_slot(batch)
-    ([29], [0, 1], ('a', 5, 29))
+    >>> token_slot(batch)
+    ('a', 5, 29, 3)
+    >>> batch.seq_ids, batch.first_positions, batch.slot_mapping.tolist(), batch.query_start.tolist()
+    (('a',), (5,), [29], [0, 1])
     """
     batch = object.__new__(Batch)
-    fields = batch.__dict__
-    fields["seq_ids"] = (seq_id,)
-    fields["num_new_tokens"] = fields["query_start"] = _ONE
-    fields["first_positions"] = (position,)
-    fields["slot_mapping"] = fields["_slots"] = [slot]
-    fields["reservation_ids"] = (reservation_id,)
-    fields["_token"] = (seq_id, position, slot)
+    batch.__dict__["_token"] = (seq_id, position, slot, reservation_id)
     return batch
 
 
@@ -238,7 +259,8 @@ def token_slot(batch: Batch) -> TokenSlot | None:
 
 def issued_slots(batch: Batch) -> list[SlotPiece]:
     """The slot pieces of a batch ``reserve`` issued (and :func:`batch_records` accepted), one a sequence."""
-    slots: list[SlotPiece] = batch.__dict__["_slots"]
+    fields = batch.__dict__
+    slots: list[SlotPiece] = fields["_slots"] if "_slots" in fields else batch._slots  # noqa: SIM401 (lazy)
     return slots
 
 

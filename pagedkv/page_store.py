@@ -31,7 +31,7 @@ from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError
 from pagedkv.gather import Scratch, gather
 from pagedkv.pages import PageArrays, new_page_arrays
-from pagedkv.pool_sides import run_tokens, take_tokens, write_tokens
+from pagedkv.pool_sides import run_tokens, take_tokens, write_blocks, write_tokens
 from pagedkv.quantization import QuantizedTokens, StorageFormat, Tokens, storage_format
 from pagedkv.read_plan import ReadPlan
 
@@ -268,6 +268,30 @@ class PageStore:
         flat = (self._keys[layer].shape[0] * self.block_size, self.num_kv_heads, self.head_dim)
         self._keys[layer].reshape(flat)[slots] = keys
         self._values[layer].reshape(flat)[slots] = values
+
+    def write_run(
+        self,
+        layer: int,
+        block_ids: list[int],
+        offset: int,
+        keys: npt.NDArray[np.floating],
+        values: npt.NDArray[np.floating],
+    ) -> None:
+        """Store ``keys``/``values`` ``(n, H, d)`` from ``offset`` in the first of ``block_ids`` on.
+
+        ``block_ids`` are consecutive logical blocks of one table and hold
+        exactly the ``n`` tokens (a :class:`~pagedkv.batch.SlotRun`): a
+        prefill's write. Whole blocks are copied as blocks (one slice when
+        their ids are one run, else one fancy index over blocks), which is
+        several times cheaper than building and scattering ``n`` slots.
+        """
+        if self._token_rows is None:  # quantized: codes and scales, by slot
+            bs = self.block_size
+            slots = (np.array(block_ids, np.intp)[:, None] * bs + np.arange(bs)).ravel()
+            self.write(layer, slots[offset : offset + len(keys)], keys, values)
+            return
+        for pages, tokens in ((self._keys[layer], keys), (self._values[layer], values)):
+            write_blocks(pages, block_ids, offset, tokens)
 
     def write_one(
         self,

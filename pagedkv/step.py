@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from pagedkv.batch import Batch, batch_records, issued_slots
+from pagedkv.batch import Batch, SlotRun, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
 from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
@@ -62,7 +62,7 @@ def write_layer(
     """
     token = batch.__dict__.get("_token") if batch.__class__ is Batch else None  # token_slot(batch)
     if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
-        seq_id, position, slot = token
+        seq_id, position, slot, _ = token
         record = records.get(seq_id)
         if (
             record is not None
@@ -95,9 +95,12 @@ def write_layer(
         keys, values, pool.dtype, expected, not trusted_inputs
     )
     # ---- validated ----
-    slot = issued_slots(batch)[0]
+    pieces = issued_slots(batch)
+    slot = pieces[0]
     if expected[0] == 1 and isinstance(slot, int):  # one token: copied by its slot
         pool.write_token(layer, slot, key_array, value_array)
+    elif len(pieces) == 1 and isinstance(slot, SlotRun):  # one sequence's run (a prefill): by blocks
+        pool.write_run(layer, slot.block_ids, slot.offset, key_array, value_array)
     else:
         pool.write(layer, batch.slot_mapping, key_array, value_array)
     if largest_key > max_abs_key[layer]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, pairwise
+from operator import ne
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +39,8 @@ def count_breaks(block_ids: Iterable[int]) -> int:
     >>> count_breaks([3, 4, 5, 9, 10])
     1
     """
-    return sum(1 for a, b in pairwise(block_ids) if a + 1 != b)
+    ids = list(block_ids)
+    return sum(map(ne, islice(ids, 1, None), map((1).__add__, ids)))  # C-level: id[i + 1] != id[i] + 1
 
 
 def read_plan(

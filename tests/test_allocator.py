@@ -336,3 +336,4 @@ def test_allocator_agrees_with_a_dict_of_ref_counts(
         assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
         for block_id in range(alloc.num_blocks):
             assert alloc.ref_count(block_id) == model_refs[block_id]
+            assert alloc.is_shared(block_id) == (model_refs[block_id] > 1)

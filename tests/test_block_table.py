@@ -6,12 +6,15 @@ Diagrams use block_size 4: ``|x x x x|`` a held block with four cached tokens,
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from support.managers import ceil_div
 
 from pagedkv.block_table import BlockTable
+from pagedkv.errors import BlockTableError
 
 
 def test_empty_table() -> None:
@@ -289,3 +292,48 @@ def test_blocks_version_stays_while_the_window_moves_inside_its_first_block() ->
     assert table.blocks_version == version and table.block_ids == [1, 2]
     table.evict_to(4)  # block 1 is wholly out: released
     assert table.blocks_version > version and table.block_ids == [2]
+
+
+@given(
+    block_size=st.integers(1, 4),
+    num_sink_tokens=st.integers(0, 5),
+    counts=st.lists(st.integers(1, 9), max_size=12),
+    data=st.data(),
+)
+def test_any_block_ids_append_the_same_by_runs_tokens_and_one_at_a_time(
+    block_size: int, num_sink_tokens: int, counts: list[int], data: st.DataObject
+) -> None:
+    """``append`` of any ids (runs, gaps, shuffles) and ``append_token`` agree with a plain list."""
+    bulk, single = BlockTable(block_size, num_sink_tokens), BlockTable(block_size, num_sink_tokens)
+    unused = list(range(200))
+    held: list[int] = []  # the model: every id appended, in order (nothing is evicted here)
+    for count in counts:
+        num_new = bulk.num_new_blocks(count)
+        new_ids = data.draw(st.lists(st.sampled_from(unused), min_size=num_new, max_size=num_new,
+                                     unique=True))
+        for block_id in new_ids:
+            unused.remove(block_id)
+        bulk.append(count, new_ids)
+        pending = list(new_ids)
+        for _ in range(count):
+            single.append_token(pending.pop(0) if single.num_new_blocks(1) else None)
+        held += new_ids
+        for table in (bulk, single):
+            table.check_invariants()  # counts the breaks between ids from scratch
+            assert table.block_ids == held
+        num_sink_blocks = ceil_div(num_sink_tokens, block_size)
+        window = held[num_sink_blocks:]
+        one_run = not num_sink_tokens and all(b + 1 == c for b, c in pairwise(window))
+        assert bulk.is_one_run == single.is_one_run == one_run
+        assert bulk.num_tokens == single.num_tokens
+
+
+def test_append_token_refuses_a_block_it_does_not_need_or_a_missing_one_unchanged() -> None:
+    table = BlockTable(block_size=2)
+    with pytest.raises(BlockTableError, match="needs 1 new blocks, got 0"):
+        table.append_token(None)  # |. .|: the first token needs a block
+    table.append_token(4)  # |x .| b4
+    with pytest.raises(BlockTableError, match="needs 0 new blocks, got 1"):
+        table.append_token(5)  # b4 still has room
+    assert (table.num_tokens, table.block_ids) == (1, [4])
+    table.check_invariants()

@@ -369,8 +369,10 @@ def test_a_decode_batch_builds_its_arrays_only_when_read() -> None:
     manager.add_sequence("a")
     settle(manager, {"a": 5})
     batch = manager.reserve({"a": 1})
-    assert "slot_mapping" in vars(batch) and not isinstance(vars(batch)["slot_mapping"], np.ndarray)
-    manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))  # written by block and offset
+    assert list(vars(batch)) == ["_token"]  # every other field is made when first read
+    manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))  # written by its slot
+    assert list(vars(batch)) == ["_token"]
+    assert batch.seq_ids == ("a",) and batch.first_positions == (5,) and batch.num_new_tokens == (1,)
     assert not isinstance(vars(batch)["slot_mapping"], np.ndarray)
     assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)]
     assert batch.query_start.tolist() == [0, 1]

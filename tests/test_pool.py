@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedkv.block_table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError
@@ -182,3 +184,36 @@ def test_a_fixed_pool_refuses_to_grow_and_changes_nothing() -> None:
     with pytest.raises(ConfigError, match="fixed size of 2 blocks"):
         pool.grow(2)
     assert pool.num_blocks == 2 and pool.num_free_blocks == 2 and pool.keys(0).shape == (1, 2, 2, 1)
+
+
+@given(
+    block_size=st.integers(1, 5),
+    offset_seed=st.integers(0, 4),
+    num_tokens=st.integers(1, 23),
+    order=st.sampled_from(["ascending", "descending", "shuffled"]),
+    quantized=st.booleans(),
+    data=st.data(),
+)
+def test_a_run_written_by_blocks_lands_where_its_slots_say(
+    block_size: int, offset_seed: int, num_tokens: int, order: str, quantized: bool, data: st.DataObject
+) -> None:
+    """``write_run`` against the slot rule written out by hand (``block_id * block_size + offset``)."""
+    offset = offset_seed % block_size
+    num_blocks = -(-(offset + num_tokens) // block_size)
+    pool = KVPool(32, block_size=block_size, num_kv_heads=2, head_dim=2,
+                  key_dtype="float16" if quantized else None)
+    start = data.draw(st.integers(0, 32 - num_blocks))
+    ids = list(range(start, start + num_blocks))
+    if order == "descending":
+        ids.reverse()
+    elif order == "shuffled":
+        ids = data.draw(st.permutations(range(32)))[:num_blocks]
+    keys = np.arange(num_tokens * 4, dtype=np.float64).reshape(num_tokens, 2, 2) + 1.0
+    pool.write_run(0, ids, offset, keys, -keys)
+    expected_keys = np.zeros((32 * block_size, 2, 2))
+    for index in range(num_tokens):  # token index -> its slot, the rule by hand
+        logical = offset + index
+        expected_keys[ids[logical // block_size] * block_size + logical % block_size] = keys[index]
+    stored = pool.key_pages(0).reshape(32 * block_size, 2, 2).astype(np.float64)
+    np.testing.assert_array_equal(stored, expected_keys)
+    np.testing.assert_array_equal(pool.value_pages(0).reshape(32 * block_size, 2, 2), -expected_keys)

@@ -26,6 +26,7 @@ from pagedkv.inputs import check_token_pair, check_tokens
 
 def _general(batch: Batch) -> Batch:
     """``batch`` (still the very object ``reserve`` returned) with its token slot gone: the general path."""
+    batch.seq_ids  # noqa: B018 (a decode batch makes its fields when first read: make them now)
     vars(batch).pop("_token", None)
     return batch
 
@@ -127,7 +128,7 @@ def test_a_decode_batch_knows_its_tokens_slot() -> None:
     settle(manager, {"a": 5})
     batch = manager.reserve({"a": 1})
     # block_size 4:  block b0: t0 t1 t2 t3 | block b1: t4 [t5] . .   (t5 is the new token)
-    seq_id, position, slot = token_slot(batch)  # type: ignore[misc]
+    seq_id, position, slot, _ = token_slot(batch)  # type: ignore[misc]
     assert (seq_id, position) == ("a", 5)
     block_id = manager.block_table("a").block_ids[1]
     assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)] == [block_id * 4 + 1] == [slot]
@@ -144,7 +145,7 @@ def test_a_new_block_takes_the_decode_token_at_offset_zero() -> None:
     settle(manager, {"a": 4})
     batch = manager.reserve({"a": 1})
     # block_size 4:  block b0: t0 t1 t2 t3 | block b1 (new): [t4] . . .
-    assert token_slot(batch)[1:] == (4, manager.block_table("a").block_ids[1] * 4)  # type: ignore[index]
+    assert token_slot(batch)[1:3] == (4, manager.block_table("a").block_ids[1] * 4)  # type: ignore[index]
     manager.write(0, batch, np.full((1, 1, 1), 2.0), np.full((1, 1, 1), 3.0))
     block_id = manager.block_table("a").block_ids[1]
     assert manager.pool.key_pages(0)[block_id, 0].tolist() == [[2.0]]
