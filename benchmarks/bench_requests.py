@@ -30,7 +30,7 @@ storage: pagedkv's pool holds ``(1 head, head_dim 8)`` float32 per token and
   every prompt new (a miss; vLLM hashes with sha256 over pickle, pagedkv with
   sha256 over packed int64, both every full block);
 * one decode call: the per-call split of the cycle's decodes (median of
-  samples of 128 calls), with the copy alone (``pool.write_one`` of one token)
+  samples of 128 calls), with the copy alone (``pool.write_token`` of one token, what ``write`` calls)
   measured apart so that "reserve + write - copy" is the bookkeeping;
 * admission: the cycle's admission alone, caching off;
 * a decode step of 64 sequences (128-token prompts): 64 separate calls versus
@@ -468,14 +468,15 @@ def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str,
             manager.free(bare_id)
             manager.write(0, batch, paged.kv[PROMPT], paged.kv[PROMPT])
             reserve = write = copy = 0.0
-            key, value = kv[0], kv[0]  # (num_kv_heads, head_dim)
+            spare_slot = (NUM_BLOCKS - 1) * BLOCK_SIZE + 3  # a block nobody reads
+            copy_one = _copy_of_one_token(pool)
             for _ in range(NUM_DECODES):
                 t0 = clock()
                 batch = manager.reserve({seq_id: 1})
                 t1 = clock()
                 manager.write(0, batch, kv, kv)
                 t2 = clock()
-                pool.write_one(0, NUM_BLOCKS - 1, 3, key, value)  # the copy alone, into a block nobody reads
+                copy_one(spare_slot, kv)
                 t3 = clock()
                 reserve += t1 - t0 - clock_ns
                 write += t2 - t1 - clock_ns
@@ -491,6 +492,13 @@ def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str,
 
         rows[name] = paged_sample
     return rows
+
+
+def _copy_of_one_token(pool: KVPool) -> Callable[[int, Any], None]:
+    """The copy a decode ``write`` makes, alone (``write_one`` on checkouts older than ``write_token``)."""
+    if hasattr(pool, "write_token"):
+        return lambda slot, kv: pool.write_token(0, slot, kv, kv)
+    return lambda slot, kv: pool.write_one(0, *divmod(slot, BLOCK_SIZE), kv[0], kv[0])
 
 
 def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, Sample]:
@@ -640,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
             ("decode: append_output_token_ids (vLLM only)", lambda m: _us(m.get("append"))),
             ("decode: allocate_slots(1) / reserve(1)", lambda m: _us(m.get("allocate", m.get("reserve")))),
             ("decode: write(1), copy included", lambda m: _us(m.get("write"))),
-            ("decode: the copy alone (pool.write_one)", lambda m: _us(m.get("copy"))),
+            ("decode: the copy alone (pool.write_token)", lambda m: _us(m.get("copy"))),
             ("decode: reserve + write - copy (bookkeeping)",
              lambda m: _us(m["allocate"] if "allocate" in m else m["reserve"] + m["write"] - m["copy"])),
         ]
