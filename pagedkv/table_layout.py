@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, pairwise
-from operator import ne
 
 import numpy as np
 import numpy.typing as npt
@@ -39,8 +38,7 @@ def count_breaks(block_ids: Iterable[int]) -> int:
     >>> count_breaks([3, 4, 5, 9, 10])
     1
     """
-    ids = list(block_ids)
-    return sum(map(ne, islice(ids, 1, None), map((1).__add__, ids)))  # C-level: id[i + 1] != id[i] + 1
+    return sum(1 for a, b in pairwise(block_ids) if a + 1 != b)
 
 
 def read_plan(
