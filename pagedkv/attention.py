@@ -11,7 +11,14 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_padded", "softmax_rows"]
+__all__ = [
+    "EINSUM_MIN_BYTES",
+    "KEYS_FIRST_MIN_TOKENS",
+    "attend_dense",
+    "attend_dense_masked",
+    "attend_padded",
+    "softmax_rows",
+]
 
 #: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
 #:
@@ -26,6 +33,16 @@ __all__ = ["EINSUM_MIN_BYTES", "attend_dense", "attend_dense_masked", "attend_pa
 #: depends only on the shape and dtype, so the paged path and the no-cache
 #: recompute always run the same arithmetic and stay equal bit for bit.
 EINSUM_MIN_BYTES = 1 << 22
+
+#: From this many tokens on, grouped queries (several per kv head) score as ``K @ q^T``.
+#:
+#: NOTE: ``q @ K^T`` hands OpenBLAS a transposed, strided B; from a few
+#: hundred tokens on its packing costs 4-6x the ``K @ q^T`` product, which
+#: reads each head's keys as the rows they are (H=4, group 2, d=64, float32:
+#: 182 vs 39 us at 1,000 tokens, 8 vs 12 us at 256; issue 14's medium model,
+#: ``benchmarks/bench_transformers.py``). Like ``EINSUM_MIN_BYTES`` it depends
+#: only on the shape, so every path rounds alike.
+KEYS_FIRST_MIN_TOKENS = 512
 
 
 def softmax_rows(
@@ -97,6 +114,9 @@ def attend_dense(
     large = group == 1 and num_tokens * num_kv_heads * head_dim * keys.dtype.itemsize >= EINSUM_MIN_BYTES
     if large:
         scores = np.einsum("hgd,hnd->hgn", grouped, keys)  # (num_kv_heads, group, num_tokens)
+    elif group > 1 and num_tokens >= KEYS_FIRST_MIN_TOKENS:
+        # (num_kv_heads, num_tokens, group), made (num_kv_heads, group, num_tokens) and contiguous
+        scores = np.matmul(keys, np.ascontiguousarray(grouped.transpose(0, 2, 1))).transpose(0, 2, 1).copy()
     else:
         scores = np.matmul(grouped, keys.transpose(0, 2, 1))
     scores = softmax_rows(scores, scale)

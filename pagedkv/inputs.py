@@ -221,7 +221,7 @@ def check_tokens(
 
 
 def check_token_pair(
-    keys: Any, values: Any, dtype: np.dtype[Any], expected: tuple[int, int, int], scan_values: bool = True
+    keys: Any, values: Any, dtype: np.dtype[Any], expected: tuple[int, int, int], scan: bool = True
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], float]:
     """:func:`check_tokens` of a write's ``keys`` and ``values`` in one call: both arrays, and max |key|.
 
@@ -232,8 +232,9 @@ def check_token_pair(
     Args:
         keys, values: what ``write`` was given.
         dtype, expected: as :func:`as_tokens`.
-        scan_values: False skips scanning ``values`` on the fast path (as
-            ``check_tokens(..., scan=False)``); keys are always scanned.
+        scan: False skips scanning both on the fast path (as
+            ``check_tokens(..., scan=False)``, the largest |key| then
+            reported as 0.0); type, dtype and shape are checked either way.
 
     Raises:
         InputTypeError, NonFiniteError, ShapeError: as :func:`as_tokens`.
@@ -250,18 +251,18 @@ def check_token_pair(
         and keys.shape == expected
         and values.shape == expected
     ):
+        if not scan:
+            return keys, values, 0.0
         limit = _LIMITS.get(dtype) or value_limit(dtype)
         high = keys.item(keys.argmax())
         low = keys.item(keys.argmin())
         if high <= limit and -low <= limit:  # False for a NaN
-            if not scan_values:
-                return keys, values, high if high >= -low else -low
             value_high = values.item(values.argmax())
             value_low = values.item(values.argmin())
             if value_high <= limit and -value_low <= limit:
                 return keys, values, high if high >= -low else -low
-    key_array, largest = check_tokens("keys", keys, dtype, expected)
-    value_array, _ = check_tokens("values", values, dtype, expected, scan_values)
+    key_array, largest = check_tokens("keys", keys, dtype, expected, scan)
+    value_array, _ = check_tokens("values", values, dtype, expected, scan)
     return key_array, value_array, largest
 
 

@@ -100,12 +100,14 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
             between sequences (see :mod:`pagedkv.prefix_cache`).
         hash_algorithm: ``"sha256"`` (default, collision resistant) or
             ``"xxh3_128"`` (faster, the ``xxhash`` extra, trusted prompts only).
-        trusted_inputs: the engine vouches for the k/v values it writes: a
-            ``write`` of a plain array of the pool's dtype and the right
-            shape skips scanning the values for NaN, infinity and magnitude
-            (keys are still scanned: attention's overflow bound needs their
-            largest magnitude). Every check of the batch, the sequences'
-            states, the shapes and dtypes stays.
+        trusted_inputs: the engine vouches for the k, v and q values it
+            passes: a ``write`` or ``attend`` of plain arrays of the pool's
+            dtype and the right shape scans no values for NaN, infinity or
+            magnitude, and ``attend`` skips the bound that refuses queries
+            whose scores could overflow (so the largest |key| is not
+            tracked). Every check of the batch, the sequences' states, the
+            layers, shapes and dtypes stays: a trusted engine can get wrong
+            numbers only from wrong numbers it passed, never a corrupt pool.
         kv_events: with prefix caching, record the prefix cache's changes
             for a cluster router (see :mod:`pagedkv.events`): True keeps up
             to 10,000 undrained events, an int sets that bound.
@@ -153,7 +155,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         self.scale = config.scale
         #: The block hash's name (kept for snapshots).
         self.hash_algorithm = config.hash_algorithm
-        #: Whether ``write`` skips scanning values (``trusted_inputs``).
+        #: Whether ``write`` and ``attend`` skip scanning values (``trusted_inputs``).
         self.trusted_inputs = config.trusted_inputs
         self._seqs = SequenceRegistry()
         self._max_abs_key = [0.0] * pool.num_layers
@@ -385,7 +387,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         scale = self.scale if scale is None else check_scale(scale)
         out = attend_layer(
             self.pool, self._seqs, self._max_abs_key, scale, self.num_q_heads, self.layer_max_sizes,
-            layer, batch, queries, method,
+            layer, batch, queries, method, self.trusted_inputs,
         )
         return like_input(queries, out)  # type: ignore[no-any-return]
 

@@ -38,8 +38,9 @@ class ManagerConfig:
         scale: multiplies every score.
         enable_prefix_caching: whether full blocks are keyed and shared.
         hash_algorithm: the block hash's name.
-        trusted_inputs: the engine vouches for the k/v values it writes, so
-            ``write`` skips scanning values for NaN, infinity and magnitude.
+        trusted_inputs: the engine vouches for the k, v and q values it
+            passes, so ``write`` and ``attend`` scan no values (NaN,
+            infinity, magnitude) and ``attend`` skips the score bound.
         kv_events: the bound of the KV event buffer; 0 when events are off.
     """
 

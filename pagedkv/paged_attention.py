@@ -41,6 +41,8 @@ def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> l
     >>> visible_ranges(0, None, 4)
     [(0, 5)]
     """
+    if window is None and not num_sink_tokens and position >= 0:  # the common case, at once
+        return [(0, position + 1)]
     sinks = min(num_sink_tokens, position + 1)
     start = sinks if window is None else max(sinks, position + 1 - window)
     ranges = [(0, sinks)] if sinks else []

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy.typing as npt
 
+from pagedkv.attend_fast import attend_one_sequence
 from pagedkv.batch import Batch, SlotRun, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
@@ -124,13 +125,23 @@ def attend_layer(
     batch: Batch,
     queries: Any,
     method: str,
+    trusted: bool = False,
 ) -> npt.NDArray[Any]:
     """Attention of every new token of ``batch`` over its own sequence, in layer ``layer``.
+
+    ``trusted`` (``KVCacheManager(trusted_inputs=True)``) skips scanning the
+    query values and the score bound; every other check stays.
 
     Raises:
         LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
         NonFiniteError, ConfigError: bad arguments, or the layer is not written; nothing changes.
     """
+    # One sequence as reserve() returned it (every decode of one request): checked in one pass.
+    out = attend_one_sequence(
+        pool, records, max_abs_key, scale, num_q_heads, windows, layer, batch, queries, method, not trusted
+    )
+    if out is not None:
+        return out
     check_layer(layer, pool.num_layers)
     if method not in ("loop", "padded"):
         raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
@@ -142,8 +153,9 @@ def attend_layer(
                 "call write() first"
             )
     expected = (batch.num_tokens, num_q_heads, pool.head_dim)
-    query_array, _ = check_tokens("queries", queries, pool.dtype, expected)  # as_tokens, its fast path first
-    check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
+    query_array, _ = check_tokens("queries", queries, pool.dtype, expected, not trusted)
+    if not trusted:
+        check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
     if len(seqs) == 1:  # one sequence: its attention is the whole output (no offsets, no copy)
         return attend_sequence(pool, layer, seqs[0].table, windows[layer], query_array, scale)
     tables = [seq.table for seq in seqs]

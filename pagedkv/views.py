@@ -201,24 +201,21 @@ class PageViews:
         if not num_window or start < first * bs or end > (first + num_window) * bs:
             return None
         state = _window_state(table, first)
+        key = id(table)
         with self._lock:
-            self._release_dead()
-            views = self._tables.get(id(table))
-            if views is None:
-                views = self._tables[id(table)] = _TableViews()
-                self._finalizers[id(table)] = weakref.finalize(table, self._forget, id(table))
-            if views.state != state:
-                views.state, views.arrays = state, {}
-            whole = views.arrays.get(layer)
+            if self._dead:
+                self._release_dead()
+            views = self._tables.get(key)
+            # NOTE: the common case (a decode step inside a block: nothing changed
+            # since this layer's last read) is tested first and slices at once.
+            whole = views.arrays.get(layer) if views is not None and views.state == state else None
             if whole is None:
-                whole = self._map_window(table, views, layer, first)
+                whole = self._window_arrays(table, views, layer, first, state)
                 if whole is None:
-                    self.stats.num_fallbacks += 1
-                    self._release_locked(id(table))
                     return None
-                views.arrays[layer] = whole
             self.stats.num_view_reads += 1
-        lo, hi = start - first * bs, end - first * bs
+        lo = start - first * bs
+        hi = end - first * bs
         return whole[0][lo:hi], whole[1][lo:hi]
 
     def release(self, table: BlockTable) -> None:
@@ -251,6 +248,24 @@ class PageViews:
         self.budget.check_invariants()
 
     # ---------------------------------------------------------------- private
+
+    def _window_arrays(
+        self, table: BlockTable, views: _TableViews | None, layer: int, first: int, state: _State
+    ) -> tuple[Array, Array] | None:
+        """``read``'s slow part (under the lock): the layer's window arrays, mapped now; None on refusal."""
+        key = id(table)
+        if views is None:
+            views = self._tables[key] = _TableViews()
+            self._finalizers[key] = weakref.finalize(table, self._forget, key)
+        if views.state != state:
+            views.state, views.arrays = state, {}
+        whole = self._map_window(table, views, layer, first)
+        if whole is None:
+            self.stats.num_fallbacks += 1
+            self._release_locked(key)
+            return None
+        views.arrays[layer] = whole
+        return whole
 
     def _map_window(
         self, table: BlockTable, views: _TableViews, layer: int, first: int

@@ -9,7 +9,7 @@
   paths are held to the same model;
 * token ids, k/v and batches are validated on fast paths that fall back to
   the general ones for anything unusual, with the same errors;
-* ``trusted_inputs=True`` skips scanning values and nothing else.
+* ``trusted_inputs=True`` skips scanning values (and the score bound) and nothing else.
 """
 
 from __future__ import annotations
@@ -385,20 +385,31 @@ def test_a_decode_batch_builds_its_arrays_only_when_read() -> None:
 # ------------------------------------------------------------ trusted inputs
 
 
-def test_trusted_inputs_skips_the_value_scan_and_nothing_else() -> None:
+def test_trusted_inputs_skips_the_value_scans_and_nothing_else() -> None:
     manager = make_manager(8, block_size=4, trusted_inputs=True)
     manager.add_sequence("a")
     batch = manager.reserve({"a": 1})
-    with pytest.raises(NonFiniteError):  # keys are still scanned (attention's overflow bound needs them)
-        manager.write(0, batch, np.full((1, 1, 1), np.nan), np.ones((1, 1, 1)))
     with pytest.raises(ShapeError):
         manager.write(0, batch, np.ones((2, 1, 1)), np.ones((2, 1, 1)))
     with pytest.raises(NonFiniteError):  # a list is converted, and then checked in full
         manager.write(0, batch, np.ones((1, 1, 1)), [[[np.inf]]])
-    manager.write(0, batch, np.ones((1, 1, 1)), np.full((1, 1, 1), np.nan))  # the engine vouched
+    manager.write(0, batch, np.full((1, 1, 1), 1e300), np.full((1, 1, 1), np.nan))  # the engine vouched
     with pytest.raises(SequenceStateError, match="already written"):
         manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))
+    with pytest.raises(ShapeError):
+        manager.attend(0, batch, np.ones((1, 2, 1)))
+    # No score bound either: 1e300 * 1e300 overflows, and the engine gets what it asked for.
+    with np.errstate(all="ignore"):
+        assert np.isnan(manager.attend(0, batch, np.full((1, 1, 1), 1e300))).all()
     manager.check_invariants()
+    default = make_manager(8, block_size=4)
+    default.add_sequence("a")
+    batch = default.reserve({"a": 1})
+    with pytest.raises(NonFiniteError):  # the default manager scans keys and values
+        default.write(0, batch, np.ones((1, 1, 1)), np.full((1, 1, 1), np.nan))
+    default.write(0, batch, np.full((1, 1, 1), 1e300), np.ones((1, 1, 1)))
+    with pytest.raises(NonFiniteError, match="attention scores could reach"):
+        default.attend(0, batch, np.full((1, 1, 1), 1e300))
 
 
 def test_trusted_inputs_must_be_a_bool() -> None:

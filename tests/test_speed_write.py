@@ -195,7 +195,7 @@ def test_the_pair_check_is_two_token_checks(keys: list[float], values: list[floa
     value_array = np.array(values, np.float32).reshape(shape)
 
     def separate() -> Any:
-        checked_keys, largest = check_tokens("keys", key_array, dtype, shape)
+        checked_keys, largest = check_tokens("keys", key_array, dtype, shape, scan)
         checked_values, _ = check_tokens("values", value_array, dtype, shape, scan)
         return checked_keys.tobytes(), checked_values.tobytes(), largest  # bytes: a NaN equals itself
 

@@ -305,7 +305,8 @@ def _restore_manager(
         slots += [_live_slots(tables[seq_id], plan) for seq_id, record in records.items()
                   if role_of(record.state) == role]
         for layer in range(num_layers):
-            _check_key_bound(plan, layer, np.concatenate(slots), float(max_abs_key[layer]))
+            if not trusted_inputs:  # a trusted manager tracks no largest |key| (nor bounds scores)
+                _check_key_bound(plan, layer, np.concatenate(slots), float(max_abs_key[layer]))
     saved_records, unkeyed = list(records.values()), set[int]()
     if prefix_on:
         vouched = vouch_keys(saved_records, tables, keys, bs, hash_algorithm, trust=trust_cached_keys)

@@ -240,7 +240,9 @@ class PagedCache(_Cache):  # type: ignore[misc]
                 f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)}"
             )
         num_rows, _, num_new, _ = key_states.shape
-        started = self._start_rows(num_rows)
+        step = self._step  # NOTE: the mode (a slow config lookup) is checked only when a step begins
+        new_step = step is None or pool_layer in step.written or num_rows != self.num_rows
+        started = new_step and self._start_rows(num_rows)
         if self._mode == "attention":
             self._num_columns[layer_idx] += num_new
             _PENDING.entry = (self, layer_idx, key_states)

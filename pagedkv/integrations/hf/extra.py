@@ -12,6 +12,7 @@ registering the attention without the extra raises ``ImportError`` naming it.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __all__ = ["HF_EXTRA_HINT", "optional_class", "require"]
@@ -28,6 +29,11 @@ def require(module: str) -> Any:
     ...
     ImportError: pagedkv.integrations.transformers needs no_such_module_here: pip install 'pagedkv[hf]' ...
     """
+    # NOTE: a loaded module straight from ``sys.modules``: ``import_module``'s
+    # own lookup runs in Python, and a decode step calls this a few times a layer.
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return loaded
     try:
         return importlib.import_module(module)
     except ImportError as error:

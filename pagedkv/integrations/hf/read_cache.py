@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.integrations.hf.extra import require
-from pagedkv.integrations.hf.tensors import Tensor
+from pagedkv.integrations.hf.tensors import Tensor, states_array
 from pagedkv.manager import KVCacheManager
 
 __all__ = ["LayerBuffer", "read_rows"]
@@ -77,7 +77,8 @@ class LayerBuffer:
         * empty (no tensors) or ``0 <= start <= end``, with ``end - start`` at
           most the tensors' capacity (their dimension 2);
         * the two tensors have one shape ``(rows, kv_heads, capacity, head_dim)``;
-        * positions ``end - start ..`` of the tensors were never handed out.
+        * positions ``end - start ..`` of the tensors were never handed out;
+        * the numpy arrays appends write through are the tensors' own memory.
 
     Filled from the pool (``fill``, arrays or tensors), then fed each step's
     new columns (``append``, tensors); see ``tests/test_integration_transformers.py``.
@@ -90,6 +91,9 @@ class LayerBuffer:
     def __init__(self) -> None:
         self.keys: Tensor | None = None  # (rows, kv_heads, capacity, head_dim)
         self.values: Tensor | None = None
+        # The same memory as numpy arrays: appends are numpy copies (see ``append``).
+        self._key_array: npt.NDArray[Any] | None = None
+        self._value_array: npt.NDArray[Any] | None = None
         #: The column held at buffer position 0.
         self.start = 0
         #: One past the last column held.
@@ -103,6 +107,7 @@ class LayerBuffer:
     def clear(self) -> None:
         """Forget everything; views handed out stay valid (their tensor is never written again)."""
         self.keys = self.values = None
+        self._key_array = self._value_array = None
         self.start = self.end = 0
 
     def fill(self, keys: Tensor, values: Tensor, start: int) -> None:
@@ -116,6 +121,10 @@ class LayerBuffer:
         Columns before ``keep_from`` are no longer needed (a window slid past
         them); they may be dropped when the buffer next grows.
 
+        NOTE: the columns are copied by numpy (``Tensor.numpy`` of both sides;
+        the buffer's made once per buffer): cheaper per call than torch's
+        slicing and ``copy_``, and the same bytes.
+
         Returns:
             Views of the buffer, valid and unchanged for as long as they are held.
         """
@@ -126,8 +135,9 @@ class LayerBuffer:
             self._reallocate(self.keys[:, :, keep_from - self.start : used],
                              self.values[:, :, keep_from - self.start : used], keep_from, extra=num_new)
             used = self.end - self.start
-        self.keys[:, :, used : used + num_new].copy_(keys)
-        self.values[:, :, used : used + num_new].copy_(values)
+        assert self._key_array is not None and self._value_array is not None
+        self._key_array[:, :, used : used + num_new] = states_array(keys)
+        self._value_array[:, :, used : used + num_new] = states_array(values)
         self.end += num_new
         lo, hi = keep_from - self.start, self.end - self.start
         return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
@@ -139,6 +149,7 @@ class LayerBuffer:
         index = require("torch").tensor(list(sources), dtype=require("torch").long)
         self.keys = self.keys.index_select(0, index)
         self.values = self.values.index_select(0, index)
+        self._key_array, self._value_array = self.keys.numpy(), self.values.numpy()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
@@ -150,6 +161,9 @@ class LayerBuffer:
             raise AssertionError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)}")
         if not 0 <= self.start <= self.end <= self.start + self.keys.shape[2]:
             raise AssertionError(f"columns {self.start} .. {self.end} in capacity {self.keys.shape[2]}")
+        for tensor, array in ((self.keys, self._key_array), (self.values, self._value_array)):
+            if array is None or array.ctypes.data != tensor.data_ptr() or array.shape != tuple(tensor.shape):
+                raise AssertionError("the buffer's numpy array is not its tensor's memory")
 
     def _reallocate(self, keys: Tensor, values: Tensor, start: int, extra: int) -> None:
         """A new buffer holding ``keys``/``values`` from column ``start``, room for twice ``seq + extra``."""
@@ -161,4 +175,5 @@ class LayerBuffer:
         new_keys[:, :, :num_held].copy_(keys)
         new_values[:, :, :num_held].copy_(values)
         self.keys, self.values = new_keys, new_values
+        self._key_array, self._value_array = new_keys.numpy(), new_values.numpy()
         self.start, self.end = start, start + num_held

@@ -22,7 +22,16 @@ import numpy.typing as npt
 from pagedkv.errors import ShapeError
 from pagedkv.integrations.hf.extra import require
 
-__all__ = ["Tensor", "check_states", "from_tokens", "padding_layout", "to_tokens", "torch_dtype"]
+__all__ = [
+    "Tensor",
+    "check_states",
+    "from_tokens",
+    "padding_layout",
+    "states_array",
+    "to_tokens",
+    "tokens_of",
+    "torch_dtype",
+]
 
 #: A ``torch.Tensor`` (torch is loaded only when used).
 Tensor = Any
@@ -34,17 +43,19 @@ def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype
     Raises:
         ShapeError: a wrong shape, dtype or device.
     """
-    shape = tuple(getattr(states, "shape", ()))
-    if len(shape) != 4 or not hasattr(states, "device"):
+    # NOTE: ``is_cpu`` rather than ``device.type``: no device object is built
+    # on the common path (three of these checks a decode layer in attention mode).
+    shape: Any = getattr(states, "shape", ())
+    if len(shape) != 4 or not hasattr(states, "is_cpu"):
         raise ShapeError(
-            f"{name} must be a tensor (batch, heads, seq, head_dim), got {shape or type(states)}"
+            f"{name} must be a tensor (batch, heads, seq, head_dim), got {tuple(shape) or type(states)}"
         )
-    if (shape[1], shape[3]) != (num_heads, head_dim):
+    if shape[1] != num_heads or shape[3] != head_dim:
         raise ShapeError(
             f"{name} has {shape[1]} heads of {shape[3]} values; "
             f"the pool holds {num_heads} heads of {head_dim}"
         )
-    if states.dtype is not torch_dtype(dtype) or states.device.type != "cpu":
+    if states.dtype is not torch_dtype(dtype) or not states.is_cpu:
         raise ShapeError(
             f"{name} is {states.dtype} on {states.device}; the pool holds {dtype} on the CPU "
             "(pagedkv runs on the CPU only)"
@@ -57,6 +68,35 @@ def torch_dtype(dtype: np.dtype[Any]) -> Any:
     return getattr(require("torch"), str(dtype), None)
 
 
+def states_array(states: Tensor) -> npt.NDArray[Any]:
+    """The numpy array of a CPU tensor ``(batch, heads, seq, head_dim)``: the same memory and strides.
+
+    NOTE: one torch call (``Tensor.numpy``); everything after it is numpy,
+    whose calls cost a fraction of torch's dispatch, and a decode makes a
+    few of them per layer (benchmarks/bench_transformers.py).
+    """
+    if states.requires_grad:
+        states = states.detach()
+    array: npt.NDArray[Any] = states.numpy()
+    return array
+
+
+def tokens_of(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``(batch, heads, seq, head_dim)`` as C-contiguous ``(batch * seq, heads, head_dim)``, row by row.
+
+    Returns:
+        A view of ``array`` when its layout allows (one position per row), else a copy.
+
+    >>> tokens_of(np.arange(4.0).reshape(1, 2, 2, 1))[:, :, 0].tolist()  # heads 0, 1 at positions 0, 1
+    [[0.0, 2.0], [1.0, 3.0]]
+    """
+    batch, heads, seq, head_dim = array.shape
+    tokens: npt.NDArray[Any] = np.ascontiguousarray(array.transpose(0, 2, 1, 3)).reshape(
+        batch * seq, heads, head_dim
+    )
+    return tokens
+
+
 def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:
     """``(batch, heads, seq, head_dim)`` as ``(tokens, heads, head_dim)``, only the positions in ``select``.
 
@@ -64,10 +104,11 @@ def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:
         A C-contiguous array; it may share memory with ``states`` (one position
         per row reshapes without a copy), so read it, do not keep it.
     """
+    if select is None:
+        return tokens_of(states_array(states))
     batch, heads, seq, head_dim = states.shape
     flat = states.detach().transpose(1, 2).reshape(batch * seq, heads, head_dim)  # (tokens, heads, head_dim)
-    if select is not None:
-        flat = flat.index_select(0, select)
+    flat = flat.index_select(0, select)
     array: npt.NDArray[Any] = flat.contiguous().numpy()
     return array
 
