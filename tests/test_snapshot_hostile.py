@@ -425,3 +425,23 @@ def test_a_trusted_manager_stays_trusted_after_a_round_trip_and_a_default_one_sa
         (size,) = struct.unpack("<Q", data[:8])
         state = json.loads(json.loads(data[8 : 8 + size])["__metadata__"]["state"])
         assert ("trusted_inputs" in state["manager"]) is trusted
+
+
+def test_a_trusted_manager_tracks_no_largest_key_and_its_snapshot_loads_all_the_same(tmp_path: Any) -> None:
+    # A default manager's file records the largest |key| and a load refuses pages beyond it; a
+    # trusted manager scans no keys (it bounds no scores), so its record stays 0 and the check is off.
+    manager = KVCacheManager(KVPool(4, block_size=2, head_dim=1), trusted_inputs=True)
+    manager.add_sequence("a")
+    batch = manager.reserve({"a": 3})
+    keys = np.array([5.0, -7.0, 2.0]).reshape(3, 1, 1)
+    manager.write(0, batch, keys, keys)
+    assert manager._max_abs_key == [0.0]
+    path = str(tmp_path / "trusted.safetensors")
+    snapshot.save(manager, path)
+    loaded = snapshot.load(path)
+    assert isinstance(loaded, KVCacheManager) and loaded.trusted_inputs
+    query = np.ones((1, 1, 1))
+    batch, twin = manager.reserve({"a": 1}), loaded.reserve({"a": 1})
+    for target, reserved in ((manager, batch), (loaded, twin)):
+        target.write(0, reserved, query, query)
+    np.testing.assert_array_equal(loaded.attend(0, twin, query), manager.attend(0, batch, query))
