@@ -96,12 +96,23 @@ def interleaved_tables(
 def paged_pools(
     num_seqs: int, num_tokens: int, block_size: int = BS
 ) -> dict[str, tuple[KVPool, list[BlockTable]]]:
+    """Pools of each view mode holding ``num_seqs`` interleaved tables (and, for one, a second table).
+
+    NOTE: one sequence alone would take consecutive ids, one run, which a
+    gather pool reads as a zero-copy view of its storage: no gather at all.
+    A second table taking every other block makes the first one fragmented,
+    the case issue 12 asks about ("interleaved with another cache").
+    """
     pools = {}
+    num_tables = max(num_seqs, 2)
     for mode in ("views", "gather"):
         rng = np.random.default_rng(0)
-        blocks = num_seqs * -(-num_tokens // block_size) + 1
+        blocks = num_tables * -(-num_tokens // block_size) + 1
         pool = KVPool(blocks, block_size=block_size, num_kv_heads=H, head_dim=D, dtype=F32, view_mode=mode)
-        pools[mode] = (pool, interleaved_tables(pool, num_seqs, num_tokens, rng))
+        tables = interleaved_tables(pool, num_tables, num_tokens, rng)
+        if any(table.is_one_run for table in tables[:num_seqs]):
+            raise AssertionError("a measured table is one run of ids: nothing would be gathered")
+        pools[mode] = (pool, tables[:num_seqs])
     return pools
 
 
