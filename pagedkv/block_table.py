@@ -26,13 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
-import numpy as np
-import numpy.typing as npt
-
 from pagedkv.counts import ceil_div, check_count
 from pagedkv.errors import BlockTableError
-from pagedkv.read_plan import ReadPlan
-from pagedkv.table_layout import Ranges, count_breaks, live_blocks, read_plan, slot_array
+from pagedkv.table_layout import TableLayout, count_breaks
 
 __all__ = ["BlockTable", "TableState"]
 
@@ -55,7 +51,7 @@ class TableState:
     window_ids: list[int]
 
 
-class BlockTable:
+class BlockTable(TableLayout):
     """One sequence's ordered block ids and the range of logical indices they hold.
 
     Invariants:
@@ -220,74 +216,6 @@ class BlockTable:
         num_whole = end // self.block_size - self._first_block
         return max(0, min(num_whole, len(self._ids)))
 
-    def holds_block(self, logical_block: int) -> bool:
-        """Whether logical block ``logical_block`` is held (a sink block, or in the window part)."""
-        last = ceil_div(self.num_tokens, self.block_size)
-        if logical_block < self.num_sink_blocks:
-            return logical_block < len(self._sink_ids)
-        return self._first_block <= logical_block < last
-
-    def block_id(self, logical_block: int) -> int:
-        """The id of the block holding logical block ``logical_block`` (it must be held)."""
-        if logical_block < self.num_sink_blocks:
-            return self._sink_ids[logical_block]
-        return self._ids[logical_block - self._first_block]
-
-    def slot(self, index: int) -> int:
-        """The slot (``block_id * block_size + offset``) of held logical index ``index``.
-
-        The one scalar form of the rule the class docstring draws;
-        ``slot_array`` is its vectorized form.
-        """
-        logical_block, offset = divmod(index, self.block_size)
-        return self.block_id(logical_block) * self.block_size + offset
-
-    def slot_array(self, ranges: Ranges) -> npt.NDArray[np.intp]:
-        """Slots of the held logical indices in ``ranges``, in order.
-
-        >>> table = BlockTable(block_size=4)
-        >>> table.append(6, [7, 2])
-        >>> table.slot_array([(2, 6)]).tolist()
-        [30, 31, 8, 9]
-        """
-        return slot_array(self.block_size, ((0, self._sink_ids), (self._first_block, self._ids)), ranges)
-
-    def read_plan(self, ranges: Ranges | None = None) -> ReadPlan:
-        """How to read the held logical indices in ``ranges`` (default: every held one).
-
-        One range that lies after the sink blocks becomes a *blocks* plan
-        (whole blocks and an offset; a zero-copy view when their ids are one
-        run); anything else (sinks in front of a window) a *slots* plan.
-
-        >>> table = BlockTable(block_size=4)
-        >>> table.append(6, [7, 8])
-        >>> table.read_plan()
-        ReadPlan(num_tokens=6, block_ids=(7, 8), offset=0, is_run=True, slots=None)
-        >>> table.read_plan([(5, 6)]).block_ids
-        (8,)
-        """
-        if ranges is None:
-            ranges = self.live_ranges()
-        segments = ((0, self._sink_ids), (self._first_block, self._ids))
-        return read_plan(self.block_size, self.num_sink_blocks, segments, self._num_breaks, ranges)
-
-    def live_blocks(self) -> tuple[list[int], dict[int, int]]:
-        """Which held blocks hold live tokens: ``(wholly live ids, {partly live id: offset mask})``.
-
-        Bit ``o`` of a mask is set when offset ``o`` of that block holds a live
-        token; see :func:`pagedkv.table_layout.live_blocks`.
-        """
-        segments = ((0, self._sink_ids), (self._first_block, self._ids))
-        return live_blocks(self.block_size, segments, self.live_ranges())
-
-    def live_ranges(self) -> list[tuple[int, int]]:
-        """Held logical index ranges ``[start, end)``, sinks first, in order."""
-        num_sinks = min(self.num_sink_tokens, self.num_tokens)
-        ranges = [(0, num_sinks)] if num_sinks else []
-        if self.num_tokens > self.window_start:
-            ranges.append((self.window_start, self.num_tokens))
-        return ranges
-
     # --------------------------------------------------------------- commands
 
     def append(self, num_tokens: int, new_block_ids: list[int]) -> None:
@@ -322,30 +250,19 @@ class BlockTable:
         self.num_tokens += num_tokens
 
     def append_token(self, new_block_id: int | None) -> None:
-        """Record one new token: ``append(1, ...)`` for a decode, with its block (None: the last has room).
+        """``append(1, [new_block_id])``, or ``append(1, [])`` for None (the last block has room).
 
-        ``new_block_id`` must be given exactly when the last block is full
-        (``num_new_blocks(1) == 1``).
+        A decode's append: no list to check when the last block has room.
 
         >>> table = BlockTable(block_size=2)
         >>> table.append_token(5); table.append_token(None); table.append_token(6)
         >>> table.block_ids, table.num_tokens
         ([5, 6], 3)
         """
-        needs_block = not self.num_tokens % self.block_size
-        if new_block_id is None:
-            if needs_block:
-                raise BlockTableError("appending 1 tokens needs 1 new blocks, got 0")
-        elif not needs_block or len(self._sink_ids) < self.num_sink_blocks:
-            self.append(1, [new_block_id])  # says what is wrong, or fills a sink block
-            return
+        if new_block_id is not None or not self.num_tokens % self.block_size:
+            self.append(1, [] if new_block_id is None else [new_block_id])  # (it says what is wrong)
         else:
-            ids = self._ids
-            if ids and ids[-1] + 1 != new_block_id:
-                self._num_breaks += 1
-            ids.append(new_block_id)
-            self.blocks_version += 1
-        self.num_tokens += 1
+            self.num_tokens += 1
 
     def evict_to(self, window_start: int) -> list[int]:
         """Evict every window index below ``window_start``; return the blocks now unused.

@@ -2,7 +2,8 @@
 
 :class:`~pagedkv.block_table.BlockTable` owns the state (its sink block ids,
 its window block ids and the logical block the window part starts at) and
-calls these functions with it; nothing else computes a slot.
+calls these functions with it; nothing else computes a slot. Its queries of
+where indices live are the :class:`TableLayout` mixin at the end.
 
 Logical index ``i`` lives in logical block ``i // block_size`` at offset
 ``i % block_size``. A logical block below ``num_sink_blocks`` is a sink
@@ -26,7 +27,7 @@ import numpy.typing as npt
 from pagedkv.counts import ceil_div
 from pagedkv.read_plan import ReadPlan
 
-__all__ = ["Ranges", "count_breaks", "live_blocks", "read_plan", "slot_array"]
+__all__ = ["Ranges", "TableLayout", "count_breaks", "live_blocks", "read_plan", "slot_array"]
 
 #: Logical index ranges ``[start, end)``, in order.
 Ranges = list[tuple[int, int]]
@@ -137,3 +138,94 @@ def live_blocks(
     full = (1 << block_size) - 1
     whole.extend(block_id for block_id, mask in masks.items() if mask == full)
     return whole, {block_id: mask for block_id, mask in masks.items() if mask != full}
+
+
+class TableLayout:
+    """``BlockTable``'s queries of where its logical indices live (a mixin: the table holds the state).
+
+    Every method reads the table's state and asks the functions above; none
+    changes anything.
+    """
+
+    __slots__ = ()
+
+    # The state ``BlockTable`` keeps (its slots); see its docstring.
+    block_size: int
+    num_sink_tokens: int
+    num_sink_blocks: int
+    num_tokens: int
+    window_start: int
+    _sink_ids: list[int]
+    _ids: deque[int]
+    _first_block: int
+    _num_breaks: int
+
+    def holds_block(self, logical_block: int) -> bool:
+        """Whether logical block ``logical_block`` is held (a sink block, or in the window part)."""
+        last = ceil_div(self.num_tokens, self.block_size)
+        if logical_block < self.num_sink_blocks:
+            return logical_block < len(self._sink_ids)
+        return self._first_block <= logical_block < last
+
+    def block_id(self, logical_block: int) -> int:
+        """The id of the block holding logical block ``logical_block`` (it must be held)."""
+        if logical_block < self.num_sink_blocks:
+            return self._sink_ids[logical_block]
+        return self._ids[logical_block - self._first_block]
+
+    def slot(self, index: int) -> int:
+        """The slot (``block_id * block_size + offset``) of held logical index ``index``.
+
+        The one scalar form of the rule the class docstring draws;
+        ``slot_array`` is its vectorized form.
+        """
+        logical_block, offset = divmod(index, self.block_size)
+        return self.block_id(logical_block) * self.block_size + offset
+
+    def slot_array(self, ranges: Ranges) -> npt.NDArray[np.intp]:
+        """Slots of the held logical indices in ``ranges``, in order.
+
+        >>> from pagedkv.block_table import BlockTable
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 2])
+        >>> table.slot_array([(2, 6)]).tolist()
+        [30, 31, 8, 9]
+        """
+        return slot_array(self.block_size, ((0, self._sink_ids), (self._first_block, self._ids)), ranges)
+
+    def read_plan(self, ranges: Ranges | None = None) -> ReadPlan:
+        """How to read the held logical indices in ``ranges`` (default: every held one).
+
+        One range that lies after the sink blocks becomes a *blocks* plan
+        (whole blocks and an offset; a zero-copy view when their ids are one
+        run); anything else (sinks in front of a window) a *slots* plan.
+
+        >>> from pagedkv.block_table import BlockTable
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 8])
+        >>> table.read_plan()
+        ReadPlan(num_tokens=6, block_ids=(7, 8), offset=0, is_run=True, slots=None)
+        >>> table.read_plan([(5, 6)]).block_ids
+        (8,)
+        """
+        if ranges is None:
+            ranges = self.live_ranges()
+        segments = ((0, self._sink_ids), (self._first_block, self._ids))
+        return read_plan(self.block_size, self.num_sink_blocks, segments, self._num_breaks, ranges)
+
+    def live_blocks(self) -> tuple[list[int], dict[int, int]]:
+        """Which held blocks hold live tokens: ``(wholly live ids, {partly live id: offset mask})``.
+
+        Bit ``o`` of a mask is set when offset ``o`` of that block holds a live
+        token; see :func:`pagedkv.table_layout.live_blocks`.
+        """
+        segments = ((0, self._sink_ids), (self._first_block, self._ids))
+        return live_blocks(self.block_size, segments, self.live_ranges())
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """Held logical index ranges ``[start, end)``, sinks first, in order."""
+        num_sinks = min(self.num_sink_tokens, self.num_tokens)
+        ranges = [(0, num_sinks)] if num_sinks else []
+        if self.num_tokens > self.window_start:
+            ranges.append((self.window_start, self.num_tokens))
+        return ranges
