@@ -47,8 +47,14 @@ class Scratch:
         keys: Array | None = getattr(local, "keys", None)
         if keys is None or keys.size < size:
             capacity = max(size, 2 * (0 if keys is None else keys.size))
-            local.keys = np.empty(capacity, self.dtype)
-            local.values = np.empty(capacity, self.dtype)
+            # NOTE: zeroed, not np.empty: a BLAS kernel may load a few values
+            # past a strided view's last row and drop them, and a NaN bit
+            # pattern there sets the FPU's invalid flag, which numpy reports as
+            # "invalid value encountered in matmul" for finite inputs (seen
+            # once in CI on a 5-token prefill). Past a gather, the buffer then
+            # holds only zeros or earlier gathers' checked values.
+            local.keys = np.zeros(capacity, self.dtype)
+            local.values = np.zeros(capacity, self.dtype)
         return local.keys, local.values
 
 
