@@ -170,8 +170,8 @@ class StorageFormat:
         return self.head_dim // self.group_size if self.scaled else 0
 
     def bytes_per_head(self, dtype: np.dtype[Any]) -> int:
-        """Bytes one token's head takes: its codes plus its scales in ``dtype``."""
-        return self.head_dim * self.code_dtype.itemsize + self.num_groups * dtype.itemsize
+        """Bytes one token's head takes: its codes plus its scales in ``dtype`` (``head_bytes``)."""
+        return head_bytes(self.name, self.head_dim, dtype)
 
     def quantize(
         self, x: npt.NDArray[np.floating]
@@ -288,16 +288,24 @@ def bytes_per_token(
     2304
     """
     compute = np.dtype(dtype)
-    total = 0
-    for name in (key_dtype, value_dtype):
-        if name is None:
-            total += head_dim * compute.itemsize
-        elif name in SCALE_FREE_DTYPES:
-            total += head_dim * 2  # float16 and bfloat16: two bytes a value, no scales
-        else:
-            code_size = 1  # int8 and fp8 store one byte per value
-            total += head_dim * code_size + (head_dim // _group_size(head_dim)) * compute.itemsize
+    total = sum(head_bytes(name, head_dim, compute) for name in (key_dtype, value_dtype))
     return num_layers * num_kv_heads * total
+
+
+def head_bytes(name: str | None, head_dim: int, dtype: np.dtype[Any]) -> int:
+    """Bytes one token's head takes stored as ``name`` (None: in ``dtype``), scales in ``dtype`` included.
+
+    The one rule of storage sizes; it needs no ml_dtypes, so pools and
+    snapshots can be sized before any format is loaded.
+
+    >>> head_bytes(None, 128, np.dtype(np.float32)), head_bytes("int8", 128, np.dtype(np.float32))
+    (512, 144)
+    """
+    if name is None:
+        return head_dim * dtype.itemsize
+    if name in SCALE_FREE_DTYPES:
+        return head_dim * 2  # float16 and bfloat16: two bytes a value, no scales
+    return head_dim + (head_dim // _group_size(head_dim)) * dtype.itemsize  # int8 and fp8: a byte a value
 
 
 @dataclass(frozen=True)

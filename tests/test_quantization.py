@@ -57,7 +57,7 @@ import pagedkv.quantization as quantization
 from pagedkv import KVCache, KVCacheManager, KVPool, reference
 from pagedkv.attention import attend_dense
 from pagedkv.errors import ConfigError, InputTypeError, PoolExhaustedError
-from pagedkv.quantization import bytes_per_token, storage_format
+from pagedkv.quantization import bytes_per_token, head_bytes, storage_format
 from pagedkv.testing import oracle
 
 pytest.importorskip("ml_dtypes")
@@ -603,3 +603,13 @@ def test_bfloat16_names_the_extra_and_float16_needs_none(monkeypatch: pytest.Mon
     with pytest.raises(ImportError, match=r"pagedkv\[fp8\]"):
         KVCache(value_dtype="bfloat16")
     assert KVCache(key_dtype="float16", value_dtype="float16").attend([1.0], [1.0], [2.0]) == [2.0]
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3", "float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [1, 8, 96, 128])
+def test_the_size_rule_matches_the_arrays_a_pool_makes(name: str, head_dim: int) -> None:
+    # head_bytes sizes pools without loading a format (no ml_dtypes needed); the pool's own
+    # arrays are what it must agree with: codes plus scales, per token and head.
+    pool = KVPool(2, block_size=4, num_kv_heads=3, head_dim=head_dim, key_dtype=name, value_dtype=name)
+    stored = sum(array.nbytes for group in pool._groups() for array in group)
+    assert stored == 2 * 4 * 3 * 2 * head_bytes(name, head_dim, pool.dtype)

@@ -109,12 +109,9 @@ class CostModel:
         """
         if num_tokens == 0 and swapped_tokens == 0:
             return self.step_overhead_s
-        shape = self.shape
-        memory_s = (self.weight_bytes + kv_tokens_read * shape.bytes_per_token) / self.memory_bandwidth
-        flops = 2 * self.num_params * num_tokens + 4 * shape.num_layers * self.d_model * num_attention_pairs
-        return (
-            self.step_overhead_s + max(memory_s, flops / self.peak_flops) + self.transfer_time(swapped_tokens)
-        )
+        kv_bytes, compute_s = self._work(num_tokens, kv_tokens_read, num_attention_pairs)
+        memory_s = (self.weight_bytes + kv_bytes) / self.memory_bandwidth
+        return self.step_overhead_s + max(memory_s, compute_s) + self.transfer_time(swapped_tokens)
 
     def attention_read_time(
         self, num_tokens: int, kv_tokens_read: int, num_attention_pairs: int = 0
@@ -134,12 +131,15 @@ class CostModel:
         """
         if num_tokens == 0:
             return 0.0
+        kv_bytes, compute_s = self._work(num_tokens, kv_tokens_read, num_attention_pairs)
+        kv_s = kv_bytes / self.memory_bandwidth
+        return 0.0 if self.weight_bytes / self.memory_bandwidth + kv_s < compute_s else kv_s
+
+    def _work(self, num_tokens: int, kv_tokens_read: int, num_attention_pairs: int) -> tuple[float, float]:
+        """A step's work for the roofline: the KV bytes it reads, and its FLOPs' time at peak."""
         shape = self.shape
-        kv_s = kv_tokens_read * shape.bytes_per_token / self.memory_bandwidth
         flops = 2 * self.num_params * num_tokens + 4 * shape.num_layers * self.d_model * num_attention_pairs
-        if self.weight_bytes / self.memory_bandwidth + kv_s < flops / self.peak_flops:
-            return 0.0
-        return kv_s
+        return kv_tokens_read * shape.bytes_per_token, flops / self.peak_flops
 
     def transfer_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` token slots of KV between device and host."""
