@@ -16,7 +16,7 @@ wedge every later step if it had a pool layer of its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,9 +68,12 @@ class ModelSpec:
     head_dim: int
     scale: float
     dtype: np.dtype[Any]
+    #: model layer -> pool layer, made once (``pool_layer`` runs every layer of every step).
+    _pool_of: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.check_invariants()
+        object.__setattr__(self, "_pool_of", {layer: i for i, layer in enumerate(self.storing_layers)})
 
     @property
     def pool_windows(self) -> list[int | None]:
@@ -83,8 +86,9 @@ class ModelSpec:
         Raises:
             ConfigError: that model layer stores no keys (its config type says so).
         """
-        if layer_idx in self.storing_layers:
-            return self.storing_layers.index(layer_idx)
+        pool_layer = self._pool_of.get(layer_idx)
+        if pool_layer is not None:
+            return pool_layer
         kind = self.layer_types[layer_idx] if 0 <= layer_idx < self.num_layers else "out of range"
         raise ConfigError(
             f"model layer {layer_idx} ({kind}) has no pool layer: the config says it stores no keys; "
