@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
 import pagedkv.attend_fast
@@ -51,25 +52,9 @@ def _general_attend(manager: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
 
 
 # Queries an attend may get: good ones, bad values, and bad types, dtypes and shapes.
-GOOD = st.floats(-4.0, 4.0, width=32)
-BAD_VALUE = st.sampled_from([np.nan, np.inf, -np.inf, 3e38, -3e38, 1e30])
+BAD_QUERY_VALUES = (np.nan, np.inf, -np.inf, 3e38, -3e38, 1e30)
 
-
-@st.composite
-def query_arrays(draw: st.DrawFn) -> Any:
-    kind = draw(st.sampled_from(["good", "good", "good", "bad value", "list", "dtype", "shape", "object"]))
-    values = np.array(draw(st.lists(GOOD, min_size=8, max_size=8)), np.float32).reshape(1, 4, 2)
-    if kind == "bad value":
-        values.flat[draw(st.integers(0, 7))] = draw(BAD_VALUE)
-    elif kind == "list":
-        return values.tolist()
-    elif kind == "dtype":
-        return values.astype(np.float64)
-    elif kind == "shape":
-        return values.reshape(1, 2, 4)
-    elif kind == "object":
-        return "not an array"
-    return values
+QUERIES = token_arrays((1, 4, 2), BAD_QUERY_VALUES)
 
 
 def _apply(manager: KVCacheManager, seen: list[Batch], op: str, layer: int, big_key: bool) -> None:
@@ -94,7 +79,7 @@ CALLS = st.lists(
             ["step", "step", "reserve", "write", "attend", "attend", "attend", "attend_old", "cancel", "fork"]
         ),
         st.sampled_from([0, 1, 0, 1, 2]),  # layer (2 is out of range)
-        query_arrays(),
+        QUERIES,
         st.sampled_from(["loop", "loop", "loop", "padded", "nope"]),
         st.sampled_from([None, 0.5, 1e20]),  # the per-call scale
         st.booleans(),

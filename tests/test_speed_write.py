@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
 from pagedkv import KVCacheManager
@@ -46,25 +47,9 @@ def _outcome(call: Any, *args: Any) -> Any:
 
 
 # A few k/v arrays a write may get: good ones, bad values, and bad types, dtypes and shapes.
-GOOD = st.floats(-4.0, 4.0, width=32)
-BAD_VALUE = st.sampled_from([np.nan, np.inf, -np.inf, 3e38, -3e38])
+BAD_TOKEN_VALUES = (np.nan, np.inf, -np.inf, 3e38, -3e38)
 
-
-@st.composite
-def token_arrays(draw: st.DrawFn) -> Any:
-    kind = draw(st.sampled_from(["good", "good", "good", "bad value", "list", "dtype", "shape", "object"]))
-    values = np.array(draw(st.lists(GOOD, min_size=4, max_size=4)), np.float32).reshape(1, 2, 2)
-    if kind == "bad value":
-        values.flat[draw(st.integers(0, 3))] = draw(BAD_VALUE)
-    elif kind == "list":
-        return values.tolist()
-    elif kind == "dtype":
-        return values.astype(np.float64)
-    elif kind == "shape":
-        return values.reshape(1, 1, 4)
-    elif kind == "object":
-        return "not an array"
-    return values
+TOKENS = token_arrays((1, 2, 2), BAD_TOKEN_VALUES)
 
 
 def _apply(
@@ -88,8 +73,8 @@ CALLS = st.lists(
     st.tuples(
         st.sampled_from(["reserve", "write", "write", "write", "write_old", "cancel", "fork", "free"]),
         st.integers(0, 2),  # layer (2 is out of range)
-        token_arrays(),
-        token_arrays(),
+        TOKENS,
+        TOKENS,
     ),
     max_size=30,
 )
