@@ -138,10 +138,10 @@ TokenSlot = tuple[Hashable, int, int, int]
 _ONE = (1,)  # num_new_tokens of every single-token batch (and its query_start, made when read)
 
 #: The fields a decode batch makes when first read.
-_DECODE_FIELDS = frozenset(
-    {"seq_ids", "num_new_tokens", "first_positions", "query_start", "slot_mapping", "reservation_ids"}
-    | {"_slots"}
-)
+_DECODE_FIELDS = frozenset((
+    "seq_ids", "num_new_tokens", "first_positions", "reservation_ids",
+    "query_start", "slot_mapping", "_slots",
+))
 
 
 @dataclass(frozen=True)

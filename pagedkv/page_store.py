@@ -284,12 +284,11 @@ class PageStore:
         prefill's write. Whole blocks are copied as blocks (one slice when
         their ids are one run, else one fancy index over blocks), which is
         several times cheaper than building and scattering ``n`` slots.
+        Float pages only: a quantized pool's codes and scales are written by
+        slot (``write``).
         """
-        if self._token_rows is None:  # quantized: codes and scales, by slot
-            bs = self.block_size
-            slots = (np.array(block_ids, np.intp)[:, None] * bs + np.arange(bs)).ravel()
-            self.write(layer, slots[offset : offset + len(keys)], keys, values)
-            return
+        if self.quantized:
+            raise ConfigError("write_run takes float pages; a quantized pool is written by slot (write)")
         for pages, tokens in ((self._keys[layer], keys), (self._values[layer], values)):
             write_blocks(pages, block_ids, offset, tokens)
 

@@ -100,7 +100,7 @@ def write_layer(
     slot = pieces[0]
     if expected[0] == 1 and isinstance(slot, int):  # one token: copied by its slot
         pool.write_token(layer, slot, key_array, value_array)
-    elif len(pieces) == 1 and isinstance(slot, SlotRun):  # one sequence's run (a prefill): by blocks
+    elif len(pieces) == 1 and isinstance(slot, SlotRun) and not pool.quantized:  # a prefill: by blocks
         pool.write_run(layer, slot.block_ids, slot.offset, key_array, value_array)
     else:
         pool.write(layer, batch.slot_mapping, key_array, value_array)

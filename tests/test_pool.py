@@ -191,17 +191,15 @@ def test_a_fixed_pool_refuses_to_grow_and_changes_nothing() -> None:
     offset_seed=st.integers(0, 4),
     num_tokens=st.integers(1, 23),
     order=st.sampled_from(["ascending", "descending", "shuffled"]),
-    quantized=st.booleans(),
     data=st.data(),
 )
 def test_a_run_written_by_blocks_lands_where_its_slots_say(
-    block_size: int, offset_seed: int, num_tokens: int, order: str, quantized: bool, data: st.DataObject
+    block_size: int, offset_seed: int, num_tokens: int, order: str, data: st.DataObject
 ) -> None:
     """``write_run`` against the slot rule written out by hand (``block_id * block_size + offset``)."""
     offset = offset_seed % block_size
     num_blocks = -(-(offset + num_tokens) // block_size)
-    pool = KVPool(32, block_size=block_size, num_kv_heads=2, head_dim=2,
-                  key_dtype="float16" if quantized else None)
+    pool = KVPool(32, block_size=block_size, num_kv_heads=2, head_dim=2)
     start = data.draw(st.integers(0, 32 - num_blocks))
     ids = list(range(start, start + num_blocks))
     if order == "descending":
@@ -214,6 +212,12 @@ def test_a_run_written_by_blocks_lands_where_its_slots_say(
     for index in range(num_tokens):  # token index -> its slot, the rule by hand
         logical = offset + index
         expected_keys[ids[logical // block_size] * block_size + logical % block_size] = keys[index]
-    stored = pool.key_pages(0).reshape(32 * block_size, 2, 2).astype(np.float64)
-    np.testing.assert_array_equal(stored, expected_keys)
+    np.testing.assert_array_equal(pool.key_pages(0).reshape(32 * block_size, 2, 2), expected_keys)
     np.testing.assert_array_equal(pool.value_pages(0).reshape(32 * block_size, 2, 2), -expected_keys)
+
+
+def test_a_run_is_not_written_by_blocks_into_codes_and_nothing_changes() -> None:
+    pool = KVPool(4, block_size=2, head_dim=2, key_dtype="float16")
+    with pytest.raises(ConfigError, match="quantized pool is written by slot"):
+        pool.write_run(0, [1], 0, np.ones((2, 1, 2)), np.ones((2, 1, 2)))
+    assert not pool.key_pages(0).any() and not pool.value_pages(0).any()
