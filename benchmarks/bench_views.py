@@ -15,7 +15,9 @@ tokens (the manager's loop); (c) prefill chunks of 128 tokens; (d) a windowed
 cache (``max_size=1024``): per-token time late in a 64k stream vs a young cache's,
 in turns, blocks held; (e) mapping costs; (f) areas and RSS of a 64-sequence x 4-layer
 pool at 1024 tokens; (g) the block-size sweep at 4k tokens, also written to
-``benchmarks/results/kernel_block_size.json``. Outputs are checked bit for
+``benchmarks/results/kernel_block_size.json``; (h) where the views' gap comes
+from: the same kernel on private anonymous memory, head-major or token-major,
+with huge pages or 4 KiB pages (``madvise``), next to the views. Outputs are checked bit for
 bit between views and gather. Nothing is asserted about time.
 
 Run: ``python benchmarks/bench_views.py [--quick]`` (Linux; views need it).
@@ -24,8 +26,11 @@ Run: ``python benchmarks/bench_views.py [--quick]`` (Linux; views need it).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import math
+import mmap
 import os
 import statistics
 import time
@@ -151,6 +156,63 @@ def decode_rows(
     result = interleaved_ms(rows, repeats, flush)
     result["best contiguous"] = min(result["contiguous attend_dense"], result["contiguous einsum"])
     return result
+
+
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # Linux <sys/mman.h>
+
+
+def anonymous_copy(source: Array, huge: bool, keep: list[mmap.mmap]) -> Array:
+    """``source`` copied into private anonymous memory asked for huge pages or for 4 KiB pages only.
+
+    The mapping is appended to ``keep`` (the array must not outlive it).
+    """
+    buffer = mmap.mmap(-1, source.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    keep.append(buffer)
+    array = np.frombuffer(buffer, dtype=source.dtype).reshape(source.shape)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    advice = _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE
+    if libc.madvise(ctypes.c_void_p(array.ctypes.data), ctypes.c_size_t(source.nbytes), advice):
+        raise OSError(ctypes.get_errno(), "madvise failed")
+    array[...] = source
+    return array
+
+
+def page_rows(num_tokens: int, repeats: int, flush: Flusher) -> dict[str, float]:
+    """ms of ``attend_dense`` on one sequence's keys and values in five memories (section (h)).
+
+    NOTE: the views read token-major ``(n, H, d)`` arrays through the page
+    file's 4 KiB pages; the best contiguous kernel reads head-major arrays
+    that numpy puts on huge pages. These rows change one of the two at a
+    time, on private memory, with the same numbers (token-major rows are
+    checked bit-equal to the views).
+    """
+    pools = paged_pools(1, num_tokens)
+    pool, (table,) = pools["views"]
+    keys, values = contiguous_of(pool, table)  # head-major, numpy's own (huge pages from 4 MiB)
+    token_keys, token_values = keys.transpose(1, 0, 2), values.transpose(1, 0, 2)
+    query = np.random.default_rng(1).standard_normal((H, D), dtype=np.float32)
+    keep: list[mmap.mmap] = []
+
+    def copies(k: Array, v: Array, huge: bool) -> tuple[Array, Array]:
+        return anonymous_copy(k, huge, keep), anonymous_copy(v, huge, keep)
+
+    memories = {
+        "head-major, huge pages": (keys, values, False),
+        "head-major, 4 KiB pages": (*copies(keys, values, False), False),
+        "token-major, huge pages": (*copies(token_keys, token_values, True), True),
+        "token-major, 4 KiB pages": (*copies(token_keys, token_values, False), True),
+    }
+    rows: dict[str, Callable[[], object]] = {}
+    for name, (k, v, token_major) in memories.items():
+        if token_major:
+            k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        rows[name] = lambda k=k, v=v: attend_dense(query, k, v, SCALE)
+    rows["views (token-major, page file)"] = lambda: attend_sequence(pool, 0, table, None, query[None], SCALE)
+    outputs = {name: run() for name, run in rows.items()}
+    views = outputs["views (token-major, page file)"][0]
+    if not all(np.array_equal(outputs[n], views) for n in outputs if n.startswith("token-major")):
+        raise AssertionError("token-major kernels and views differ")
+    return interleaved_ms(rows, repeats, flush)
 
 
 def ratio_table(title: str, results: dict[str, dict[str, float]]) -> None:
@@ -369,6 +431,18 @@ def main() -> None:
         )
         print("\n(g) block-size sweep, one sequence of 4096 tokens")
         result = sweep([1, 2, 4, 8, 16, 32, 64, 128, 256], repeats, flush)
+        print("\n(h) where the views' gap comes from: attend_dense on one sequence in five memories")
+        pages = {f"{n // 1024}k tokens": page_rows(n, repeats, flush) for n in (4096, 16384)}
+        names = list(next(iter(pages.values())))
+        print(
+            table(
+                ["memory"] + [f"{label} (÷ first row)" for label in pages],
+                [
+                    [name] + [f"{r[name]:.2f} ms ({r[name] / r[names[0]]:.2f}x)" for r in pages.values()]
+                    for name in names
+                ],
+            )
+        )
     result["machine"] = f"{cpu_model()}, {os.cpu_count()} cores, BLAS 1 thread, cache-cold"  # type: ignore[assignment]
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")

@@ -155,3 +155,36 @@ def test_the_threshold_picks_the_path_by_size(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(attention, "EINSUM_MIN_BYTES", small.nbytes)
     attention.attend_dense(q, small, small)
     assert calls == ["hgd,hnd->hgn", "hgn,hnd->hgd"]
+
+
+@given(
+    num_kv_heads=st.integers(1, 4),
+    num_tokens=st.integers(1, 40),
+    head_dim=st.integers(1, 9),
+    use_float32=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_einsum_path_over_token_major_keys_matches_the_oracle(
+    num_kv_heads: int, num_tokens: int, head_dim: int, use_float32: bool, seed: int
+) -> None:
+    # The pool hands the kernel token-major keys; einsum then lays the scores
+    # out token-major too, and the kernel softmaxes them as contiguous rows and
+    # puts the weights back: a weight landing on the wrong token or head shows here.
+    dtype = np.float32 if use_float32 else np.float64
+    rng = np.random.default_rng(seed)
+    keys, values = (rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(dtype) for _ in range(2))
+    query = rng.standard_normal((num_kv_heads, head_dim)).astype(dtype)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "EINSUM_MIN_BYTES", 0)
+        out = attention.attend_dense(query, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0.5)
+    expected, max_abs_score = attend(query.tolist(), keys.tolist(), values.tolist(), 0.5)
+    eps = FLOAT32_EPS if use_float32 else FLOAT64_EPS
+    assert within_tolerance(out.tolist(), expected, max_abs_score, eps)
+
+
+def test_einsum_scores_of_token_major_keys_are_not_contiguous() -> None:
+    # What the kernel's second softmax branch is for: if einsum ever returned
+    # contiguous scores here, that branch would be dead and this says so.
+    keys = np.ones((16, 4, 8), np.float32).transpose(1, 0, 2)
+    scores = np.einsum("hgd,hnd->hgn", np.ones((4, 1, 8), np.float32), keys)
+    assert not scores.flags.c_contiguous
