@@ -6,8 +6,9 @@
 (b) Numpy calls, H=8 heads, head_dim 128, float32, at 1k, 4k and 16k cached
     tokens: the paged ``KVCache`` on its private pool (its table is one run of
     block ids, read as a zero-copy view); the paged cache on a shared pool
-    where a second cache took turns with it (its table is not one run, so
-    every call gathers into scratch); the no-cache recompute of the same step
+    where a second cache took turns with it (its table is not one run: the
+    pool's default ``view_mode`` reads it through mapped page views where
+    the platform has them, else gathers into scratch); the no-cache recompute of the same step
     (``pagedkv.reference.attend_window``, rebuilding dense arrays from the
     token history); and a contiguous cache (one preallocated
     ``(H, max_tokens, d)`` array per K and V, appended in place) with two
@@ -145,7 +146,7 @@ NAMES = [
     "contiguous, attend_dense kernel",
     "contiguous, einsum kernel",
     "paged, private pool (one-run view)",
-    "paged, shared fragmented pool (scratch gather)",
+    "paged, shared fragmented pool (default view_mode)",
     "no-cache recompute (attend_window)",
 ]
 
