@@ -15,7 +15,8 @@ tokens (the manager's loop); (c) prefill chunks of 128 tokens; (d) a windowed
 cache (``max_size=1024``): per-token time late in a 64k stream vs a young cache's,
 in turns, blocks held; (e) mapping costs; (f) areas and RSS of a 64-sequence x 4-layer
 pool at 1024 tokens; (g) the block-size sweep at 4k tokens, also written to
-``benchmarks/results/kernel_block_size.json``; (h) where the views' gap comes
+``benchmarks/results/kernel_block_size.json`` (three passes, their
+medians combined); (h) where the views' gap comes
 from: the same kernel on private anonymous memory, head-major or token-major,
 with huge pages or 4 KiB pages (``madvise``), next to the views. Outputs are checked bit for
 bit between views and gather. Nothing is asserted about time.
@@ -34,7 +35,7 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ def median_ms(run: Callable[[], object], repeats: int, flush: Flusher | None) ->
 
 
 def interleaved_ms(
-    rows: dict[str, Callable[[], object]], repeats: int, flush: Flusher | None
+    rows: Mapping[str, Callable[[], object]], repeats: int, flush: Flusher | None
 ) -> dict[str, float]:
     """Median milliseconds of each row, the rows taking turns within every repeat.
 
@@ -202,11 +203,15 @@ def page_rows(num_tokens: int, repeats: int, flush: Flusher) -> dict[str, float]
         "token-major, huge pages": (*copies(token_keys, token_values, True), True),
         "token-major, 4 KiB pages": (*copies(token_keys, token_values, False), True),
     }
-    rows: dict[str, Callable[[], object]] = {}
+    rows: dict[str, Callable[[], Array]] = {}
     for name, (k, v, token_major) in memories.items():
         if token_major:
             k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
-        rows[name] = lambda k=k, v=v: attend_dense(query, k, v, SCALE)
+
+        def run(k: Array = k, v: Array = v) -> Array:
+            return attend_dense(query, k, v, SCALE)
+
+        rows[name] = run
     rows["views (token-major, page file)"] = lambda: attend_sequence(pool, 0, table, None, query[None], SCALE)
     outputs = {name: run() for name, run in rows.items()}
     views = outputs["views (token-major, page file)"][0]
@@ -350,17 +355,30 @@ def areas_and_rss(num_seqs: int, num_layers: int, num_tokens: int) -> dict[str, 
     }
 
 
-def sweep(block_sizes: list[int], repeats: int, flush: Flusher) -> dict[str, list[float]]:
+def sweep(block_sizes: list[int], repeats: int, flush: Flusher, passes: int = 3) -> dict[str, list[float]]:
+    """ms per call at each block size: the median over ``passes`` passes of each pass's median.
+
+    NOTE: one pass over the sizes takes about 40 s, and the load on a shared
+    machine drifts over that time more than a size changes the kernel (one
+    run's contiguous column, which does not depend on the size, spread
+    1.39-2.20 ms), so the passes alternate and their medians are combined.
+    """
+    cells: dict[int, list[dict[str, float]]] = {bs: [] for bs in block_sizes}
+    for _ in range(passes):
+        for bs in block_sizes:
+            cells[bs].append(decode_rows(1, 4096, repeats, flush, block_size=bs))
     out: dict[str, list[float]] = {"block_size": [], "gather_ms": [], "view_ms": [], "contiguous_ms": []}
-    for bs in block_sizes:
-        res = decode_rows(1, 4096, repeats, flush, block_size=bs)
+    for bs, runs in cells.items():
+        gather, views, contiguous = (
+            statistics.median(r[name] for r in runs) for name in ("gather", "views", "best contiguous")
+        )
         out["block_size"].append(bs)
-        out["gather_ms"].append(round(res["gather"], 4))
-        out["view_ms"].append(round(res["views"], 4))
-        out["contiguous_ms"].append(round(res["best contiguous"], 4))
+        out["gather_ms"].append(round(gather, 4))
+        out["view_ms"].append(round(views, 4))
+        out["contiguous_ms"].append(round(contiguous, 4))
         print(
-            f"  block_size {bs:>3}: gather {res['gather']:.2f} ms, views {res['views']:.2f} ms, "
-            f"contiguous {res['best contiguous']:.2f} ms",
+            f"  block_size {bs:>3}: gather {gather:.2f} ms, views {views:.2f} ms, "
+            f"contiguous {contiguous:.2f} ms (medians of {passes} passes)",
             flush=True,
         )
     return out
@@ -430,7 +448,8 @@ def main() -> None:
             f"Pss {mem['pss_filled_mib']:.0f} -> {mem['pss_mapped_mib']:.0f} -> {mem['pss_read_mib']:.0f} MiB"
         )
         print("\n(g) block-size sweep, one sequence of 4096 tokens")
-        result = sweep([1, 2, 4, 8, 16, 32, 64, 128, 256], repeats, flush)
+        passes = 1 if args.quick else 3
+        result = sweep([1, 2, 4, 8, 16, 32, 64, 128, 256], repeats, flush, passes)
         print("\n(h) where the views' gap comes from: attend_dense on one sequence in five memories")
         pages = {f"{n // 1024}k tokens": page_rows(n, repeats, flush) for n in (4096, 16384)}
         names = list(next(iter(pages.values())))
@@ -443,7 +462,8 @@ def main() -> None:
                 ],
             )
         )
-    result["machine"] = f"{cpu_model()}, {os.cpu_count()} cores, BLAS 1 thread, cache-cold"  # type: ignore[assignment]
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, BLAS 1 thread, cache-cold, medians of {passes} passes"
+    result["machine"] = machine  # type: ignore[assignment]
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(f"  written to {RESULTS}")
