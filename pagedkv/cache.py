@@ -37,6 +37,7 @@ from pagedkv.inputs import (
 )
 from pagedkv.locking import release_cache
 from pagedkv.paged_attention import attend_sequence
+from pagedkv.pages import choose_view_mode
 from pagedkv.pool import KVPool
 from pagedkv.quantization import check_storage_dtype, storage_format
 
@@ -67,7 +68,11 @@ class KVCache:
 
     Its entries live in fixed-size blocks of a :class:`~pagedkv.KVPool`: either a
     shared pool passed as ``pool`` (a fixed size, shared with other caches) or a
-    private pool created at the first ``attend`` that grows geometrically.
+    private pool created at the first ``attend``. A private pool grows
+    geometrically, and re-lays the window into one run of ids when it slides;
+    with ``max_size`` and a shape that page views can map (see
+    docs/paging.md), it is instead a fixed ring of exactly
+    ``ceil(max_size / block_size) + 1`` blocks read through page views.
 
     Threads: caches on one shared pool may each be used from a thread of its
     own; one cache used from two threads at once is the caller's to serialise.
@@ -362,7 +367,7 @@ class KVCache:
         pool = self._pool
         assert pool is not None
         if num_new and pool.num_free_blocks + table.num_blocks_released_by(window_start) < 1:
-            if not self._private:
+            if not pool.growable:  # a shared pool (a private ring always has a block free here)
                 raise PoolExhaustedError(1, 0, pool.num_blocks)
             pool.grow(pool.num_blocks)  # PoolTooLargeError changes nothing
         # ---- validated: from here on nothing can fail ----
@@ -385,25 +390,34 @@ class KVCache:
 
     def _create_private_pool(self, kv_shape: tuple[int, ...]) -> None:
         num_kv_heads, head_dim = kv_shape if len(kv_shape) == 2 else (1, kv_shape[0])
-        if self._max_size is not None:
-            # Twice the window's blocks: room to re-lay the window in one run (_compact).
-            num_blocks = min(2 * window_blocks(self._max_size, self._block_size), 64)
-        else:
-            num_blocks = 4
-        self._pool = KVPool(
-            num_blocks,
-            block_size=self._block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=self._dtype,
-            growable=True,
-            key_dtype=self._key_dtype,
-            value_dtype=self._value_dtype,
-        )
-        self._attach(self._pool)
+        shape: dict[str, Any] = dict(block_size=self._block_size, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, dtype=self._dtype, key_dtype=self._key_dtype,
+                                     value_dtype=self._value_dtype)
+        pool = None
+        if self._max_size is not None and self._views_can_map(num_kv_heads, head_dim):
+            # A ring: freed blocks come back to the window's tail, and views read
+            # it in logical order whatever the ids, so nothing is re-laid.
+            pool = KVPool(window_blocks(self._max_size, self._block_size), **shape)
+            if pool.view_mode != "views":  # no page file after all: re-lay into runs instead
+                pool = None
+        if pool is None:
+            if self._max_size is not None:
+                # Twice the window's blocks: room to re-lay the window in one run (_compact).
+                num_blocks = min(2 * window_blocks(self._max_size, self._block_size), 64)
+            else:
+                num_blocks = 4
+            pool = KVPool(num_blocks, growable=True, **shape)
+        self._pool = pool
+        self._attach(pool)
+
+    def _views_can_map(self, num_kv_heads: int, head_dim: int) -> bool:
+        quantized = self._key_dtype is not None or self._value_dtype is not None
+        block_bytes = self._block_size * num_kv_heads * head_dim * self._dtype.itemsize
+        mode = choose_view_mode("auto", growable=False, quantized=quantized, block_bytes=block_bytes)
+        return mode == "views"
 
     def _take_block(self, pool: KVPool) -> int:
-        if not self._private:
+        if not pool.growable:  # a shared pool, or a private ring
             return pool.allocator.allocate_one()
         table = self._table
         if table.num_window_blocks and (
