@@ -72,6 +72,14 @@ def as_vectors(
     >>> as_vectors("q", [1, 2.5], np.dtype(np.float64))
     (array([1. , 2.5]), True)
     """
+    if value.__class__ is np.ndarray and value.dtype is dtype and value.ndim in ndims and value.size:
+        # The common case, an array of exactly the dtype: its largest and
+        # smallest values check every value (a NaN is reported as both, so it
+        # fails the limit), with no temporaries; anything else, or any failure,
+        # takes the general path below, whose errors it shares.
+        limit = _LIMITS.get(dtype) or value_limit(dtype)
+        if value.item(value.argmax()) <= limit and -value.item(value.argmin()) <= limit:
+            return value, False
     came_as_list = isinstance(value, (list, tuple))
     if isinstance(value, np.ma.MaskedArray):
         # NOTE: a mask hides entries from every check below (NaN included),
