@@ -13,7 +13,7 @@ arrays; anything else returns None and the general path
       else: None -> the general path: check_layer, batch_records, check_tokens, ... -> raises or attends
 
 The score bound (:func:`~pagedkv.inputs.check_score_bound`, the one rule)
-scans the queries once more; :func:`check_score_bound_from_max` first tries
+scans the queries once more; :func:`~pagedkv.inputs.check_score_bound_from_max` first tries
 the bound the query scan has already paid for (``head_dim * max|q|``), which
 is never below the exact one, and runs the exact rule only when that cheap
 bound is too large. So the queries refused are exactly those the rule refuses.
@@ -24,62 +24,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from pagedkv.batch import Batch
-from pagedkv.inputs import check_score_bound, check_tokens, value_limit
+from pagedkv.inputs import check_score_bound_from_max, check_tokens
 from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.sequence import SequenceRegistry, SequenceState
 
-__all__ = ["attend_one_sequence", "check_score_bound_from_max"]
-
-# NOTE: the exact rule sums |q| over head_dim in floating point, which can
-# round above head_dim * max|q| by a few ulps per term; the cheap bound is
-# inflated by this factor so it stays above the exact one for any head_dim
-# up to about 10^5 in float32.
-_ROUNDING_MARGIN = 1.0 + 2.0**-6
+__all__ = ["attend_one_sequence"]
 
 _RUNNING = SequenceState.RUNNING
-
-
-def check_score_bound_from_max(
-    scale: float,
-    queries: npt.NDArray[Any],
-    largest_query: float,
-    max_abs_key: float,
-    dtype: np.dtype[Any],
-) -> None:
-    """:func:`~pagedkv.inputs.check_score_bound`, accepting at once when ``max|q|`` already bounds it.
-
-    ``sum |q_i| <= head_dim * max|q|`` for every row, so when
-    ``|scale| * head_dim * max|q| * max|k|`` stays within the limit the exact
-    rule would accept too, and it is skipped; otherwise the exact rule runs
-    and decides. The same queries are refused as by the exact rule alone,
-    with its error.
-
-    Args:
-        scale: the softmax scale.
-        queries: ``(..., head_dim)``, every value finite (already checked).
-        largest_query: ``max |queries|`` (what :func:`~pagedkv.inputs.check_tokens` returns).
-        max_abs_key: the largest |key| the keys attended over can hold.
-        dtype: the compute dtype.
-
-    Raises:
-        NonFiniteError: as :func:`~pagedkv.inputs.check_score_bound`.
-
-    >>> f64 = np.dtype(np.float64)
-    >>> check_score_bound_from_max(1.0, np.array([[1.0, -2.0]]), 2.0, 3.0, f64)  # 2 * 2 * 3: far within
-    >>> check_score_bound_from_max(1.0, np.array([[1e150, 0.0]]), 1e150, 1e157, f64)  # 2e307, exact: 1e307
-    >>> check_score_bound_from_max(1.0, np.array([[1e154, -2e154]]), 2e154, 1e153, f64)
-    Traceback (most recent call last):
-    ...
-    pagedkv.errors.NonFiniteError: attention scores could reach 3e+307, beyond what float64 holds ...
-    """
-    cheap = abs(scale) * queries.shape[-1] * largest_query * max_abs_key * _ROUNDING_MARGIN
-    if not cheap <= value_limit(dtype):  # also True for an overflow to inf
-        check_score_bound(scale, queries, max_abs_key, dtype)
 
 
 def attend_one_sequence(
@@ -110,6 +65,7 @@ def attend_one_sequence(
     (``check_tokens(..., scan=False)``; type, dtype and shape are checked
     either way): what a ``trusted_inputs`` manager passes.
 
+    >>> import numpy as np
     >>> from pagedkv import KVCacheManager
     >>> manager = KVCacheManager(KVPool(4, block_size=2, head_dim=1))
     >>> manager.add_sequence("s")

@@ -28,10 +28,11 @@ from pagedkv.errors import (
     PoolExhaustedError,
 )
 from pagedkv.inputs import (
+    as_bounded_vectors,
     as_vectors,
     check_dtype,
     check_scale,
-    check_score_bound,
+    check_score_bound_from_max,
     check_vector_shapes,
     like_input,
 )
@@ -271,13 +272,13 @@ class KVCache:
         """
         if self._closed:
             raise ClosedCacheError("this KVCache is closed; create a new one")
-        query, q_is_list = as_vectors("q", q, self._dtype)
-        key, _ = as_vectors("k", k, self._dtype)
+        query, q_is_list, query_abs = as_bounded_vectors("q", q, self._dtype)
+        key, _, key_abs = as_bounded_vectors("k", k, self._dtype)
         value, _ = as_vectors("v", v, self._dtype)
         pool_shape = None if self._pool is None else (self._pool.num_kv_heads, self._pool.head_dim)
         check_vector_shapes(query, key, value, self._kv_shape, pool_shape)
-        key_abs = float(np.abs(key).max())
-        check_score_bound(self._scale, query, max(self._max_abs_key, key_abs), self._dtype)
+        bound = max(self._max_abs_key, key_abs)
+        check_score_bound_from_max(self._scale, query, query_abs, bound, self._dtype)
 
         if self._private or self._pool is None:
             self._append(key, value, key_abs)

@@ -17,15 +17,18 @@ from pagedkv.errors import ConfigError, InputTypeError, NonFiniteError, ShapeErr
 
 __all__ = [
     "FLOAT_DTYPES",
+    "as_bounded_vectors",
     "as_tokens",
     "as_vectors",
     "check_dtype",
     "check_scale",
     "check_score_bound",
+    "check_score_bound_from_max",
     "check_token_pair",
     "check_tokens",
     "check_vector_shapes",
     "is_torch_tensor",
+    "largest_magnitude",
     "like_input",
     "torch_array",
     "value_limit",
@@ -49,10 +52,46 @@ def value_limit(dtype: np.dtype[Any]) -> float:
     return float(np.finfo(dtype).max) / 16 if limit is None else limit
 
 
+def largest_magnitude(value: npt.NDArray[Any], dtype: np.dtype[Any]) -> float | None:
+    """``max |value|`` when every value is finite and within ``value_limit(dtype)``, else None.
+
+    NOTE: the largest and smallest values (``argmax`` + ``argmin`` + two
+    ``item`` calls) check every value at once: a NaN is reported as both, so
+    it fails the limit. No temporary, no ufunc reduction set-up: cheaper than
+    ``np.abs(value).max()`` for one token's k/v and no dearer for a prefill
+    (benchmarks/bench_requests.py).
+
+    >>> largest_magnitude(np.array([1.0, -3.0]), np.dtype(np.float64))
+    3.0
+    >>> largest_magnitude(np.array([1.0, np.nan]), np.dtype(np.float64)) is None
+    True
+    """
+    high = value.item(value.argmax())
+    low = value.item(value.argmin())
+    limit = _LIMITS.get(dtype) or value_limit(dtype)
+    if high <= limit and -low <= limit:  # False for a NaN
+        return float(high if high >= -low else -low)
+    return None
+
+
 def as_vectors(
     name: str, value: Any, dtype: np.dtype[Any], *, ndims: tuple[int, ...] = (1, 2)
 ) -> tuple[npt.NDArray[Any], bool]:
     """Convert ``value`` (a list or an array of real numbers) to an array of ``dtype``.
+
+    :func:`as_bounded_vectors` without the magnitude; the same arguments and errors.
+
+    >>> as_vectors("q", [1, 2.5], np.dtype(np.float64))
+    (array([1. , 2.5]), True)
+    """
+    array, came_as_list, _ = as_bounded_vectors(name, value, dtype, ndims=ndims)
+    return array, came_as_list
+
+
+def as_bounded_vectors(
+    name: str, value: Any, dtype: np.dtype[Any], *, ndims: tuple[int, ...] = (1, 2)
+) -> tuple[npt.NDArray[Any], bool, float]:
+    """Convert ``value`` (a list or an array of real numbers) to an array of ``dtype``; its largest magnitude.
 
     Args:
         name: the argument's name, quoted in error messages.
@@ -62,24 +101,23 @@ def as_vectors(
         ndims: the numbers of dimensions allowed.
 
     Returns:
-        ``(array, came_as_list)``; the array is a new or existing array of ``dtype``.
+        ``(array, came_as_list, max |array|)``; the array is a new or existing array of ``dtype``.
 
     Raises:
         InputTypeError: strings, ``None``, bools, complex numbers or other objects.
         ShapeError: ragged lists, a disallowed number of dimensions, or no values.
         NonFiniteError: NaN or infinity, including values that overflow ``dtype``.
 
-    >>> as_vectors("q", [1, 2.5], np.dtype(np.float64))
-    (array([1. , 2.5]), True)
+    >>> as_bounded_vectors("k", [1, -2.5], np.dtype(np.float64))
+    (array([ 1. , -2.5]), True, 2.5)
     """
     if value.__class__ is np.ndarray and value.dtype is dtype and value.ndim in ndims and value.size:
-        # The common case, an array of exactly the dtype: its largest and
-        # smallest values check every value (a NaN is reported as both, so it
-        # fails the limit), with no temporaries; anything else, or any failure,
-        # takes the general path below, whose errors it shares.
-        limit = _LIMITS.get(dtype) or value_limit(dtype)
-        if value.item(value.argmax()) <= limit and -value.item(value.argmin()) <= limit:
-            return value, False
+        # The common case, an array of exactly the dtype, checked by its
+        # extremes; anything else, or any failure, takes the general path
+        # below, whose errors it shares.
+        largest = largest_magnitude(value, dtype)
+        if largest is not None:
+            return value, False, largest
     came_as_list = isinstance(value, (list, tuple))
     if isinstance(value, np.ma.MaskedArray):
         # NOTE: a mask hides entries from every check below (NaN included),
@@ -130,7 +168,7 @@ def as_vectors(
             f"{name} holds a value of magnitude {largest:.3g}, above {limit:.3g} "
             f"(the {dtype} maximum / 16) that keeps every sum finite; scale it down"
         )
-    return converted, came_as_list
+    return converted, came_as_list, largest
 
 
 def is_torch_tensor(value: object) -> bool:
@@ -177,12 +215,18 @@ def as_tokens(
         InputTypeError, NonFiniteError: as ``as_vectors``.
         ShapeError: any other shape.
     """
-    array, _ = as_vectors(name, value, dtype, ndims=(3,))
+    return _bounded_tokens(name, value, dtype, expected)[0]
+
+
+def _bounded_tokens(
+    name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]
+) -> tuple[npt.NDArray[Any], float]:
+    array, _, largest = as_bounded_vectors(name, value, dtype, ndims=(3,))
     if array.shape != expected:
         raise ShapeError(
             f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
         )
-    return array
+    return array, largest
 
 
 def check_tokens(
@@ -191,15 +235,9 @@ def check_tokens(
     """:func:`as_tokens`, and the largest magnitude in the result.
 
     The fast path takes what an engine passes, a plain array of exactly
-    ``dtype`` and ``expected``: its largest and smallest values (``argmax``
-    and ``argmin`` report a NaN as both, so a NaN or an infinity fails the
-    limit) check every value and give the magnitude. Anything else, or any
-    failure, takes :func:`as_tokens`, whose errors it shares.
-
-    NOTE: ``argmax`` + ``argmin`` + two ``item`` calls are cheaper than
-    ``np.maximum.reduce(np.abs(value))`` for one token's k/v (no temporary,
-    no ufunc reduction set-up) and no dearer for a prefill; a decode's
-    ``write`` makes two such checks (benchmarks/bench_requests.py).
+    ``dtype`` and ``expected``, checked by its extremes
+    (:func:`largest_magnitude`, which also gives the magnitude). Anything
+    else, or any failure, takes :func:`as_tokens`' checks, whose errors it shares.
 
     Args:
         name, value, dtype, expected: as :func:`as_tokens`.
@@ -219,13 +257,10 @@ def check_tokens(
     if value.__class__ is np.ndarray and value.dtype is dtype and value.shape == expected:
         if not scan:
             return value, 0.0
-        high = value.item(value.argmax())
-        low = value.item(value.argmin())
-        limit = _LIMITS.get(dtype) or value_limit(dtype)
-        if high <= limit and -low <= limit:  # False for a NaN
-            return value, high if high >= -low else -low
-    array = as_tokens(name, value, dtype, expected)
-    return array, float(np.abs(array).max())
+        largest = largest_magnitude(value, dtype)
+        if largest is not None:
+            return value, largest
+    return _bounded_tokens(name, value, dtype, expected)
 
 
 def check_token_pair(
@@ -261,6 +296,8 @@ def check_token_pair(
     ):
         if not scan:
             return keys, values, 0.0
+        # NOTE: largest_magnitude's rule, inlined: two calls of it measured
+        # 48.6k -> 50.2k instructions a decode reserve + write (callgrind).
         limit = _LIMITS.get(dtype) or value_limit(dtype)
         high = keys.item(keys.argmax())
         low = keys.item(keys.argmin())
@@ -334,6 +371,51 @@ def check_score_bound(
             f"attention scores could reach {bound:.3g}, beyond what {dtype} holds "
             f"safely ({limit:.3g}); scale q or k down"
         )
+
+
+# NOTE: the exact rule sums |q| over head_dim in floating point, which can
+# round above head_dim * max|q| by a few ulps per term; the cheap bound is
+# inflated by this factor so it stays above the exact one for any head_dim
+# up to about 10^5 in float32.
+_ROUNDING_MARGIN = 1.0 + 2.0**-6
+
+
+def check_score_bound_from_max(
+    scale: float,
+    queries: npt.NDArray[Any],
+    largest_query: float,
+    max_abs_key: float,
+    dtype: np.dtype[Any],
+) -> None:
+    """:func:`check_score_bound`, accepting at once when ``max|q|`` already bounds it.
+
+    ``sum |q_i| <= head_dim * max|q|`` for every row, so when
+    ``|scale| * head_dim * max|q| * max|k|`` stays within the limit the exact
+    rule would accept too, and it is skipped; otherwise the exact rule runs
+    and decides. The same queries are refused as by the exact rule alone,
+    with its error.
+
+    Args:
+        scale: the softmax scale.
+        queries: ``(..., head_dim)``, every value finite (already checked).
+        largest_query: ``max |queries|`` (what :func:`check_tokens` returns).
+        max_abs_key: the largest |key| the keys attended over can hold.
+        dtype: the compute dtype.
+
+    Raises:
+        NonFiniteError: as :func:`check_score_bound`.
+
+    >>> f64 = np.dtype(np.float64)
+    >>> check_score_bound_from_max(1.0, np.array([[1.0, -2.0]]), 2.0, 3.0, f64)  # 2 * 2 * 3: far within
+    >>> check_score_bound_from_max(1.0, np.array([[1e150, 0.0]]), 1e150, 1e157, f64)  # 2e307, exact: 1e307
+    >>> check_score_bound_from_max(1.0, np.array([[1e154, -2e154]]), 2e154, 1e153, f64)
+    Traceback (most recent call last):
+    ...
+    pagedkv.errors.NonFiniteError: attention scores could reach 3e+307, beyond what float64 holds ...
+    """
+    cheap = abs(scale) * queries.shape[-1] * largest_query * max_abs_key * _ROUNDING_MARGIN
+    if not cheap <= value_limit(dtype):  # also True for an overflow to inf
+        check_score_bound(scale, queries, max_abs_key, dtype)
 
 
 def check_vector_shapes(

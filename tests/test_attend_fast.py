@@ -23,10 +23,10 @@ from support.managers import make_manager, manager_state, settle
 import pagedkv.attend_fast
 import pagedkv.step
 from pagedkv import KVCacheManager, attention
-from pagedkv.attend_fast import attend_one_sequence, check_score_bound_from_max
+from pagedkv.attend_fast import attend_one_sequence
 from pagedkv.batch import Batch
 from pagedkv.errors import NonFiniteError, PagedKVError
-from pagedkv.inputs import check_score_bound
+from pagedkv.inputs import check_score_bound, check_score_bound_from_max
 from pagedkv.reference import attend_window
 
 F32 = np.dtype(np.float32)

@@ -1,4 +1,4 @@
-"""``as_vectors``' fast path for an array of exactly the dtype, against its general path.
+"""``as_bounded_vectors``' fast path for an array of exactly the dtype, against its general path.
 
 The fast path (two scans, no temporaries) must return what the general path
 returns and refuse what it refuses, with the same error: an ndarray subclass
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.errors import PagedKVError
-from pagedkv.inputs import as_vectors, value_limit
+from pagedkv.inputs import as_bounded_vectors, as_vectors, value_limit
 
 
 class _Plain(np.ndarray):
@@ -25,10 +25,11 @@ class _Plain(np.ndarray):
 
 def _outcome(value: Any, dtype: np.dtype[Any], ndims: tuple[int, ...]) -> tuple[Any, ...]:
     try:
-        array, as_list = as_vectors("k", value, dtype, ndims=ndims)
+        array, as_list, largest = as_bounded_vectors("k", value, dtype, ndims=ndims)
     except PagedKVError as error:
         return ("error", type(error), str(error))
-    return ("ok", array.tobytes(), array.dtype, array.shape, as_list)
+    assert largest == float(np.abs(array).max())
+    return ("ok", array.tobytes(), array.dtype, array.shape, as_list, largest)
 
 
 def _special(dtype: np.dtype[Any]) -> st.SearchStrategy[float]:
