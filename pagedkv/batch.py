@@ -225,8 +225,6 @@ def issue_batch(
     return batch
 
 
-
-
 def issue_token_batch(seq_id: Hashable, position: int, slot: int, reservation_id: int) -> Batch:
     """The :class:`Batch` of one new token of one sequence (a decode), holding only its ``TokenSlot``.
 

@@ -395,18 +395,18 @@ class KVCache:
                                      head_dim=head_dim, dtype=self._dtype, key_dtype=self._key_dtype,
                                      value_dtype=self._value_dtype)
         pool = None
-        if self._max_size is not None and self._views_can_map(num_kv_heads, head_dim):
-            # A ring: freed blocks come back to the window's tail, and views read
-            # it in logical order whatever the ids, so nothing is re-laid.
-            pool = KVPool(window_blocks(self._max_size, self._block_size), **shape)
-            if pool.view_mode != "views":  # no page file after all: re-lay into runs instead
-                pool = None
+        num_blocks = 4  # an unbounded cache's first pool
+        if self._max_size is not None:
+            held = window_blocks(self._max_size, self._block_size)
+            if self._views_can_map(num_kv_heads, head_dim):
+                # A ring: freed blocks come back to the window's tail, and views
+                # read it in logical order whatever the ids, so nothing is re-laid.
+                pool = KVPool(held, **shape)
+                if pool.view_mode != "views":  # no page file after all: re-lay into runs instead
+                    pool = None
+            # Twice the window's blocks: room to re-lay the window in one run (_compact).
+            num_blocks = min(2 * held, 64)
         if pool is None:
-            if self._max_size is not None:
-                # Twice the window's blocks: room to re-lay the window in one run (_compact).
-                num_blocks = min(2 * window_blocks(self._max_size, self._block_size), 64)
-            else:
-                num_blocks = 4
             pool = KVPool(num_blocks, growable=True, **shape)
         self._pool = pool
         self._attach(pool)

@@ -21,7 +21,7 @@ from pagedkv.attend_fast import attend_one_sequence
 from pagedkv.batch import Batch, SlotRun, batch_records, issued_slots
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, SequenceStateError
-from pagedkv.inputs import check_score_bound, check_token_pair, check_tokens
+from pagedkv.inputs import check_score_bound_from_max, check_token_pair, check_tokens
 from pagedkv.paged_attention import attend_batch, attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.prefix_sharing import PrefixSharing
@@ -153,9 +153,9 @@ def attend_layer(
                 "call write() first"
             )
     expected = (batch.num_tokens, num_q_heads, pool.head_dim)
-    query_array, _ = check_tokens("queries", queries, pool.dtype, expected, not trusted)
+    query_array, largest_query = check_tokens("queries", queries, pool.dtype, expected, not trusted)
     if not trusted:
-        check_score_bound(scale, query_array, max_abs_key[layer], pool.dtype)
+        check_score_bound_from_max(scale, query_array, largest_query, max_abs_key[layer], pool.dtype)
     if len(seqs) == 1:  # one sequence: its attention is the whole output (no offsets, no copy)
         return attend_sequence(pool, layer, seqs[0].table, windows[layer], query_array, scale)
     tables = [seq.table for seq in seqs]
