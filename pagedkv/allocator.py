@@ -93,6 +93,7 @@ class BlockAllocator(CachedBlockMarks):
         "_queue",
         "_ref_counts",
         "on_evict",
+        "on_take",
     )
 
     def __init__(self, num_blocks: int) -> None:
@@ -125,6 +126,9 @@ class BlockAllocator(CachedBlockMarks):
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         #: Called with a cached block's id when allocation evicts it for reuse.
         self.on_evict: Callable[[int], None] | None = None
+        #: Called with the ids ``allocate``/``allocate_one`` hand out, before they
+        #: return (a pool whose pages sit in a page file makes them resident).
+        self.on_take: Callable[[list[int]], None] | None = None
         # Actions handed over by ``defer`` (a finalizer that could not take the
         # pool's lock); the next ``allocate`` or ``release_deferred`` runs them.
         self._deferred: list[Callable[[], None]] = []
@@ -228,6 +232,8 @@ class BlockAllocator(CachedBlockMarks):
         ref_counts = self._ref_counts
         for block_id in block_ids:
             ref_counts[block_id] = 1
+        if self.on_take is not None:
+            self.on_take(block_ids)
         return block_ids
 
     def allocate_one(self) -> int:
@@ -250,6 +256,8 @@ class BlockAllocator(CachedBlockMarks):
         else:
             raise PoolExhaustedError(1, 0, self._num_blocks)
         self._ref_counts[block_id] = 1
+        if self.on_take is not None:
+            self.on_take([block_id])
         return block_id
 
     def share(self, block_ids: Iterable[int]) -> None:
@@ -386,7 +394,7 @@ class BlockAllocator(CachedBlockMarks):
     def _restore_state(self, state: AllocatorState) -> None:
         """Take ``state`` whole (same ``num_blocks``); the caller checks ``check_invariants`` after.
 
-        The ``on_evict`` callback stays as it is.
+        The ``on_evict`` and ``on_take`` callbacks stay as they are.
         """
         if len(state.ref_counts) != self._num_blocks:
             raise ConfigError(

@@ -121,12 +121,14 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
     fd = open_page_file(2 * num_layers * side_bytes)
     try:
         whole = mmap.mmap(fd, 2 * num_layers * side_bytes, mmap.MAP_SHARED)
+        count = int(np.prod(shape))
+        sides = [np.frombuffer(whole, dtype, count=count, offset=index * side_bytes).reshape(shape)
+                 for index in range(2 * num_layers)]
     except (OSError, ValueError, OverflowError):
         os.close(fd)
         raise
-    page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype)
+    page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype, num_layers,
+                         sides[0].ctypes.data, bytearray(num_blocks))
     # The descriptor lives as long as the PageFile: views map it; the arrays keep `whole` mapped.
     weakref.finalize(page_file, os.close, fd)
-    sides = [np.frombuffer(whole, dtype, count=int(np.prod(shape)), offset=index * side_bytes).reshape(shape)
-             for index in range(2 * num_layers)]
     return PageArrays(sides[0::2], sides[1::2], page_file)

@@ -151,6 +151,10 @@ class KVPool(PageStore):
         #: How fragmented tables are read: ``"views"`` (mapped) or ``"gather"`` (copied).
         self.view_mode = "views" if page_file is not None else "gather"
         self._views = PageViews(page_file, map_budget()) if page_file is not None else None
+        if page_file is not None:
+            # A block's pages are allocated when it is handed out, not by a
+            # fault at each first touch (vmem.populate).
+            self.allocator.on_take = page_file.make_resident
         #: Held by every cache and manager command that changes this pool's
         #: allocator or pages (see docs/design.md, "Concurrency"). A plain
         #: lock, not re-entrant: a finalizer that finds it held defers its frees.

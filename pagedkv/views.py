@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.block_table import BlockTable
-from pagedkv.vmem import MapBudget, Reservation
+from pagedkv.vmem import MapBudget, Reservation, populate
 
 __all__ = ["MIN_CAPACITY", "PageFile", "PageViews", "ViewStats"]
 
@@ -60,6 +60,9 @@ class PageFile:
         block_bytes: bytes of one block of one side of one layer (a multiple of the page size).
         token_shape: ``(num_kv_heads, head_dim)``.
         dtype: the pages' dtype.
+        num_layers: layers in the file.
+        address: where the pool's own (read-write) mapping of the whole file starts.
+        resident: one byte per block, 1 once :meth:`make_resident` has seen it.
     """
 
     fd: int
@@ -67,6 +70,9 @@ class PageFile:
     block_bytes: int
     token_shape: tuple[int, int]
     dtype: np.dtype[Any]
+    num_layers: int
+    address: int
+    resident: bytearray
 
     def offset(self, layer: int, side: int, block_id: int) -> int:
         """Byte offset of a block in the file::
@@ -74,6 +80,32 @@ class PageFile:
             | L0 keys: blk 0 .. n-1 | L0 values: blk 0 .. n-1 | L1 keys ... |
         """
         return ((2 * layer + side) * self.num_blocks + block_id) * self.block_bytes
+
+    def make_resident(self, block_ids: list[int]) -> None:
+        """Allocate every layer's pages of ``block_ids`` now, as the pool hands them out to be written.
+
+        Once per block for the file's lifetime (pages are never given back),
+        one :func:`~pagedkv.vmem.populate` per run of consecutive new ids and
+        (layer, side). A hint: the bytes do not change, nothing fails.
+        """
+        resident = self.resident
+        fresh = [block_id for block_id in block_ids if not resident[block_id]]
+        if not fresh:
+            return
+        fresh.sort()
+        start = previous = fresh[0]
+        runs = []
+        for block_id in fresh[1:]:
+            if block_id != previous + 1:
+                runs.append((start, previous + 1 - start))
+                start = block_id
+            previous = block_id
+        runs.append((start, previous + 1 - start))
+        for first, count in runs:
+            resident[first : first + count] = b"\x01" * count
+            for layer_side in range(2 * self.num_layers):
+                offset = (layer_side * self.num_blocks + first) * self.block_bytes
+                populate(self.address + offset, count * self.block_bytes)
 
 
 @dataclass

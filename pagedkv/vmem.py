@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import sys
@@ -38,13 +39,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PAGE_SIZE", "MapBudget", "Reservation", "map_budget", "open_page_file", "views_supported"]
+__all__ = [
+    "PAGE_SIZE", "MapBudget", "Reservation", "map_budget", "open_page_file", "populate", "views_supported",
+]
 
 #: The granularity of a mapping: a block's bytes must be a multiple of it to be mapped.
 PAGE_SIZE = mmap.PAGESIZE
 
 _PROT_READ = 0x1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_POPULATE = 0x8000
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _FAILED = ctypes.c_void_p(-1).value
 
 #: Areas left to everything else in the process when the budget is sized from ``vm.max_map_count``.
@@ -61,6 +66,11 @@ class _Libc:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int, ctypes.c_long]
         self.mmap = libc.mmap
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.madvise = libc.madvise
+        #: Whether ``MADV_POPULATE_WRITE`` may work here (False once the kernel says EINVAL).
+        self.can_populate = True
 
 
 _LIBC: _Libc | None = None
@@ -113,6 +123,30 @@ def open_page_file(size: int) -> int:
     return fd
 
 
+def populate(address: int, size: int) -> bool:
+    """Allocate the pages of ``address .. address + size`` and map them for writing, in one call.
+
+    A hint (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+): the bytes do not
+    change, and where the kernel lacks it or refuses, nothing happens and the
+    pages fault in one by one on first touch, as without it. Returns whether
+    the pages were populated. After the first EINVAL (an older kernel) it
+    stops asking.
+
+    NOTE: a shared file's page costs a fault the first time each mapping
+    touches it: at 8 kv heads x head_dim 128 x float32 every decoded token
+    is a new 4 KiB page per side, so a decode call took two write faults and
+    two more reading through its views (benchmarks/bench_core.py; docs/paging.md).
+    """
+    libc = _libc()
+    if not libc.can_populate:
+        return False
+    if libc.madvise(address, size, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:
+        libc.can_populate = False
+    return False
+
+
 class Reservation:
     """An address range of ``size`` bytes: read-only zeros until blocks are mapped into it.
 
@@ -134,9 +168,11 @@ class Reservation:
         """Show ``size`` bytes of file ``fd`` from ``file_offset`` at ``offset`` of the range.
 
         Returns False (the range unchanged) when the kernel refuses, e.g. at
-        ``vm.max_map_count``.
+        ``vm.max_map_count``. The pages the file holds are mapped at once
+        (``MAP_POPULATE``), so the first read of each costs no fault.
         """
-        got = _libc().mmap(self.address + offset, size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, file_offset)
+        flags = _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE
+        got = _libc().mmap(self.address + offset, size, _PROT_READ, flags, fd, file_offset)
         return got not in (None, _FAILED)
 
     def zero(self, offset: int, size: int) -> None:

@@ -7,7 +7,11 @@ with the no-cache recompute (pagedkv.reference), which shares no paging code.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
+import mmap
+import os
 import sys
 import threading
 
@@ -293,3 +297,99 @@ def test_a_budget_with_room_for_one_side_maps_neither(monkeypatch: pytest.Monkey
         assert np.all(keys == 1.0)  # gathered
     assert pool.view_stats.num_maps == 0 and pool.view_stats.num_fallbacks == 3
     pool.check_invariants()
+
+
+# ------------------------------------------------------------------ residency
+# A fresh shared page faults once per mapping at its first touch; a block's pages
+# are populated when the allocator hands it out, and a view maps what the file
+# holds at once. /proc/self/pagemap says which virtual pages have a page now.
+
+
+def pages_present(address: int, size: int) -> list[bool]:
+    page = mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as handle:
+        handle.seek(address // page * 8)
+        entries = handle.read(size // page * 8)
+    return [bool(int.from_bytes(entries[i : i + 8], "little") >> 63) for i in range(0, len(entries), 8)]
+
+
+def block_address(pool: KVPool, side: int, block_id: int) -> int:
+    pages = pool.key_pages(0) if side == 0 else pool.value_pages(0)
+    return int(pages[block_id].ctypes.data)
+
+
+BLOCK_BYTES = BS * H * D * 4  # one 4 KiB page at this shape
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="no /proc/self/pagemap")
+def test_a_block_is_resident_when_handed_out_and_its_view_maps_it_at_once() -> None:
+    pool = views_pool(8, num_layers=2)
+    for block_id in range(8):
+        for side in (0, 1):
+            assert not any(pages_present(block_address(pool, side, block_id), BLOCK_BYTES))
+    first = pool.allocator.allocate_one()
+    run = pool.allocator.allocate(3)
+    taken = [first, *run]
+    for layer in range(2):
+        for pages in (pool.key_pages(layer), pool.value_pages(layer)):
+            for block_id in range(8):
+                present = pages_present(int(pages[block_id].ctypes.data), BLOCK_BYTES)
+                assert all(present) if block_id in taken else not any(present), (layer, block_id)
+    assert pool.key_pages(0)[taken].max() == 0.0  # the bytes did not change
+    pool.allocator.free(taken)
+
+    spacer = filled_table(pool, 9.0, BS)
+    table = filled_table(pool, 1.0, 3 * BS)  # not one run: read through views
+    keys, values = pool.read(0, table, [(0, 3 * BS)])
+    assert pool.view_stats.num_view_reads == 1
+    assert all(pages_present(int(keys.ctypes.data), 3 * BLOCK_BYTES))  # mapped, not faulted, in
+    assert np.all(keys == 1.0) and np.all(values == 1.0)
+    pool.allocator.free(spacer.clear())
+
+
+def test_each_block_is_populated_once_in_runs_of_consecutive_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr("pagedkv.views.populate", lambda address, size: calls.append((address, size)) or True)
+    pool = views_pool(16, num_layers=2)
+    page_file = pool._pages.page_file
+    assert page_file is not None
+    base = page_file.address
+    pool.allocator.allocate(3)  # blocks 0, 1, 2: one run per (layer, side)
+    assert calls == [(base + (side * 16) * BLOCK_BYTES, 3 * BLOCK_BYTES) for side in range(4)]
+    calls.clear()
+    pool.allocator.free([1])
+    assert pool.allocator.allocate(14)[-1] == 1  # 3 .. 15 fresh, then 1 again, already resident
+    assert calls == [(base + (side * 16 + 3) * BLOCK_BYTES, 13 * BLOCK_BYTES) for side in range(4)]
+    calls.clear()
+    page_file.make_resident([5, 9, 1])
+    assert calls == []  # resident already
+    assert pool.allocator.on_take is not None
+
+
+def test_without_populate_the_kernel_faults_pages_in_and_outputs_are_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedkv import vmem
+
+    libc = vmem._libc()
+    monkeypatch.setattr(libc, "can_populate", True)
+    asked: list[int] = []
+
+    def old_kernel(address: int, size: int, advice: int) -> int:
+        asked.append(advice)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(libc, "madvise", old_kernel)
+    pool = views_pool()
+    outs = run_interleaved(pool, 40)
+    assert asked == [23] and libc.can_populate is False  # asked once, then never again
+    for which in range(2):
+        expected = recompute(*stream(which, 40), dtype=F32)
+        assert all(np.array_equal(a, b) for a, b in zip(outs[which], expected))
+
+
+def test_a_pool_of_plain_arrays_takes_blocks_without_a_hook() -> None:
+    pool = KVPool(8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32, view_mode="gather")
+    assert pool.allocator.on_take is None
+    assert pool.allocator.allocate(2) == [0, 1]
