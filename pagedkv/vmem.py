@@ -48,7 +48,6 @@ PAGE_SIZE = mmap.PAGESIZE
 
 _PROT_READ = 0x1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_POPULATE = 0x8000
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _FAILED = ctypes.c_void_p(-1).value
 
@@ -135,7 +134,8 @@ def populate(address: int, size: int) -> bool:
     NOTE: a shared file's page costs a fault the first time each mapping
     touches it: at 8 kv heads x head_dim 128 x float32 every decoded token
     is a new 4 KiB page per side, so a decode call took two write faults and
-    two more reading through its views (benchmarks/bench_core.py; docs/paging.md).
+    two more reading through its views, whose fault-around found nothing else
+    resident to map (benchmarks/bench_core.py; docs/paging.md).
     """
     libc = _libc()
     if not libc.can_populate:
@@ -168,11 +168,14 @@ class Reservation:
         """Show ``size`` bytes of file ``fd`` from ``file_offset`` at ``offset`` of the range.
 
         Returns False (the range unchanged) when the kernel refuses, e.g. at
-        ``vm.max_map_count``. The pages the file holds are mapped at once
-        (``MAP_POPULATE``), so the first read of each costs no fault.
+        ``vm.max_map_count``.
+
+        NOTE: no ``MAP_POPULATE``: it maps a block's pages one by one (16.0
+        against 8.5 µs a newly mapped block, K and V, benchmarks/bench_views.py
+        (e)), where the first read's fault maps the resident pages around it
+        in one go (the kernel's fault-around): about two faults a block.
         """
-        flags = _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE
-        got = _libc().mmap(self.address + offset, size, _PROT_READ, flags, fd, file_offset)
+        got = _libc().mmap(self.address + offset, size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, file_offset)
         return got not in (None, _FAILED)
 
     def zero(self, offset: int, size: int) -> None:
