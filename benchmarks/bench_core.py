@@ -265,7 +265,8 @@ def numpy_calls(sizes: list[int], repeats: int, flush: Flusher) -> tuple[str, li
                 continue
             ratio = results[name][n] / best[n]
             verdicts.append(f"{n // 1024}k {ratio:.2f}x {'met' if ratio <= 1.2 else 'NOT met'}")
-        notes.append(f"target (issue 12) <= 1.2x best contiguous at 4k and 16k, {name}: " + ", ".join(verdicts))
+        notes.append(f"target (issue 12) <= 1.2x best contiguous at 4k and 16k, {name}: "
+                     + ", ".join(verdicts))
     return table(columns, rows), notes
 
 

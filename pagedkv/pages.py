@@ -128,7 +128,7 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
         os.close(fd)
         raise
     page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype, num_layers,
-                         sides[0].ctypes.data, bytearray(num_blocks))
+                         sides[0].ctypes.data, whole, bytearray(num_blocks))
     # The descriptor lives as long as the PageFile: views map it; the arrays keep `whole` mapped.
     weakref.finalize(page_file, os.close, fd)
     return PageArrays(sides[0::2], sides[1::2], page_file)

@@ -28,6 +28,7 @@ and never faults (see :mod:`pagedkv.vmem`).
 
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class PageFile:
         dtype: the pages' dtype.
         num_layers: layers in the file.
         address: where the pool's own (read-write) mapping of the whole file starts.
+        mapping: that mapping; held here so ``address`` stays mapped while this object lives.
         resident: one byte per block, 1 once :meth:`make_resident` has seen it.
     """
 
@@ -72,6 +74,7 @@ class PageFile:
     dtype: np.dtype[Any]
     num_layers: int
     address: int
+    mapping: mmap.mmap
     resident: bytearray
 
     def offset(self, layer: int, side: int, block_id: int) -> int:
