@@ -29,6 +29,7 @@ from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
 from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.inputs import check_dtype
+from pagedkv.page_fork import track
 from pagedkv.page_store import PageStore
 from pagedkv.pages import choose_view_mode
 from pagedkv.quantization import bytes_per_token, check_storage_dtype, storage_format
@@ -159,6 +160,9 @@ class KVPool(PageStore):
         #: allocator or pages (see docs/design.md, "Concurrency"). A plain
         #: lock, not re-entrant: a finalizer that finds it held defers its frees.
         self.lock = threading.Lock()
+        # A forked child copies the page file, so the two processes never share pages.
+        self._fork_copy = None if page_file is None or self._views is None else (
+            track(self.lock, page_file, self._views))
         # What holds blocks of this pool, for ``check_invariants``. Weak, so a
         # cache dropped without close() can be collected and its finalizer
         # can give its blocks back.

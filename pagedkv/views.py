@@ -55,6 +55,9 @@ Array = npt.NDArray[Any]
 class PageFile:
     """Where blocks live in the shared page file: layer ``l``, side ``s`` (0 keys, 1 values).
 
+    In a forked child ``fd`` names a copy of the parent's file
+    (:mod:`pagedkv.page_fork`).
+
     Attributes:
         fd: the file's descriptor.
         num_blocks: blocks per (layer, side).
@@ -76,6 +79,11 @@ class PageFile:
     address: int
     mapping: mmap.mmap
     resident: bytearray
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole file: every layer, both sides."""
+        return 2 * self.num_layers * self.num_blocks * self.block_bytes
 
     def offset(self, layer: int, side: int, block_id: int) -> int:
         """Byte offset of a block in the file::
@@ -252,6 +260,18 @@ class PageViews:
         lo = start - first * bs
         hi = end - first * bs
         return whole[0][lo:hi], whole[1][lo:hi]
+
+    def release_all_after_fork(self) -> None:
+        """In a forked child, before any other thread exists: zero and drop every range.
+
+        The ranges map the parent's file; the next read maps the child's
+        (``pages.fd``). The lock is made anew: another thread of the parent
+        may have held it at the fork.
+        """
+        self._lock = threading.Lock()
+        self._release_dead()
+        for key in list(self._tables):
+            self._release_locked(key)
 
     def release(self, table: BlockTable) -> None:
         """Zero and drop every range of ``table`` (a closed cache, a freed sequence)."""

@@ -40,13 +40,14 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "PAGE_SIZE", "MapBudget", "Reservation", "map_budget", "open_page_file", "populate", "views_supported",
+    "PAGE_SIZE", "MapBudget", "Reservation", "copy_file", "map_budget", "open_page_file", "populate",
+    "remap_shared", "renew_locks", "views_supported",
 ]
 
 #: The granularity of a mapping: a block's bytes must be a multiple of it to be mapped.
 PAGE_SIZE = mmap.PAGESIZE
 
-_PROT_READ = 0x1
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _FAILED = ctypes.c_void_p(-1).value
@@ -147,6 +148,55 @@ def populate(address: int, size: int) -> bool:
     return False
 
 
+def remap_shared(address: int, size: int, fd: int) -> None:
+    """Map file ``fd`` read-write and shared over ``address .. address + size``, in place.
+
+    Whatever was mapped there is replaced atomically (``MAP_FIXED``), so
+    arrays into the range stay valid and now show the new file.
+
+    Raises:
+        OSError: the kernel refused; the old mapping is still there.
+    """
+    got = _libc().mmap(address, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got in (None, _FAILED):
+        raise OSError(ctypes.get_errno(), "mapping a page file over the pool's mapping failed")
+
+
+def copy_file(source: int, target: int, size: int) -> None:
+    """Copy what file ``source`` holds into file ``target`` (same size), skipping its holes.
+
+    Holes stay holes (no memory is taken for blocks never written), found
+    with ``SEEK_DATA`` / ``SEEK_HOLE``; data moves with ``os.copy_file_range``
+    where the kernel has it, else through ``pread`` / ``pwrite``.
+
+    Raises:
+        OSError: a read or write failed.
+    """
+    position = 0
+    while position < size:
+        try:
+            start = os.lseek(source, position, os.SEEK_DATA)
+        except OSError as error:
+            if error.errno == errno.ENXIO:  # no data past ``position``
+                return
+            raise
+        end = min(os.lseek(source, start, os.SEEK_HOLE), size)
+        _copy_range(source, target, start, end)
+        position = end
+
+
+def _copy_range(source: int, target: int, start: int, end: int) -> None:
+    while start < end:
+        try:
+            done = os.copy_file_range(source, target, end - start, start, start)
+        except (OSError, AttributeError):
+            done = 0
+        if done <= 0:  # no copy_file_range here, or it refused: copy through memory
+            chunk = os.pread(source, min(end - start, 1 << 24), start)
+            done = os.pwrite(target, chunk, start)
+        start += done
+
+
 class Reservation:
     """An address range of ``size`` bytes: read-only zeros until blocks are mapped into it.
 
@@ -243,6 +293,13 @@ def _default_limit() -> int:
 
 
 _BUDGET = MapBudget()
+
+
+def renew_locks() -> None:
+    """In a forked child: new locks for the libc loader and the budget (a parent thread may have held one)."""
+    global _LIBC_LOCK
+    _LIBC_LOCK = threading.Lock()
+    _BUDGET._lock = threading.Lock()
 
 
 def map_budget() -> MapBudget:

@@ -1,0 +1,157 @@
+"""A forked child gets its own copy of every page file (pagedkv.page_fork).
+
+Without it a child's writes land in its parent's pages and the other way
+round: the first test read 9.0 (a child's token) where its parent had cached
+1.0. Each child reports through its exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from pagedkv import KVCache, KVPool
+from pagedkv.vmem import copy_file, open_page_file
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
+                                reason="page files and fork: Linux")
+
+D = 64  # one token of one side: 256 bytes; a block of 16: one 4 KiB page
+F32 = np.float32
+
+
+def views_pool(num_blocks: int = 8) -> KVPool:
+    return KVPool(num_blocks, block_size=16, num_kv_heads=1, head_dim=D, dtype=F32, view_mode="views")
+
+
+def close_to(out: np.ndarray, value: float) -> bool:
+    return bool(np.allclose(out, value, rtol=1e-5, atol=0))
+
+
+def token(value: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.ones(D, F32), np.full(D, value, F32), np.full(D, value, F32)
+
+
+def in_child(body: Callable[[], None], *, after_fork: Callable[[], None] = lambda: None) -> None:
+    """Run ``body`` in a forked child; fail here if it raised (its traceback goes to stderr)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads alive
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; coverage does not follow it
+        code = 0
+        try:
+            body()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    after_fork()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child failed (traceback above)"
+
+
+def test_a_childs_writes_never_reach_its_parents_pages() -> None:
+    pool = views_pool()
+    mine, other = KVCache(pool=pool), KVCache(pool=pool)
+    for _ in range(40):  # interleaved, so both are read through views
+        mine.attend(*token(1.0))
+        other.attend(*token(2.0))
+    before = mine.attend(*token(1.0))
+
+    def child() -> None:
+        mine.clear()
+        other.clear()
+        theirs = KVCache(pool=pool)
+        for _ in range(100):  # takes every block the parent's caches hold
+            out = theirs.attend(*token(9.0))
+        assert close_to(out, 9.0)
+        pool.check_invariants()
+
+    in_child(child)
+    after = mine.attend(*token(1.0))
+    assert close_to(before, 1.0) and close_to(after, 1.0)
+    pool.check_invariants()
+
+
+def test_a_parents_writes_after_the_fork_never_reach_the_child() -> None:
+    pool = views_pool()
+    mine, other = KVCache(pool=pool), KVCache(pool=pool)
+    for _ in range(20):
+        mine.attend(*token(1.0))
+        other.attend(*token(2.0))
+    read_end, write_end = os.pipe()
+
+    def child() -> None:
+        os.close(write_end)
+        assert os.read(read_end, 1) == b"1"  # the parent has rewritten every block by now
+        assert close_to(mine.attend(*token(1.0)), 1.0)
+        assert close_to(other.attend(*token(2.0)), 2.0)
+        pool.check_invariants()
+
+    def parent() -> None:
+        os.close(read_end)
+        mine.clear()
+        other.clear()
+        theirs = KVCache(pool=pool)
+        for _ in range(8 * 16):
+            theirs.attend(*token(7.0))
+        os.write(write_end, b"1")
+        os.close(write_end)
+
+    in_child(child, after_fork=parent)
+
+
+def test_an_array_read_before_the_fork_reads_zeros_in_the_child_never_the_parents_data() -> None:
+    pool = views_pool()
+    spacer, mine = KVCache(pool=pool), KVCache(pool=pool)
+    for _ in range(33):
+        spacer.attend(*token(3.0))
+        mine.attend(*token(1.0))
+    keys, _ = pool.read(0, mine._table, [(0, 33)])
+    assert pool.view_stats.num_view_reads >= 1 and np.all(keys == 1.0)
+
+    def child() -> None:
+        assert np.all(keys == 0.0)  # released, as after close(); its range is still mapped
+        fresh, _ = pool.read(0, mine._table, [(0, 33)])
+        assert np.all(fresh == 1.0)
+        pool.check_invariants()
+
+    in_child(child)
+    assert np.all(keys == 1.0)  # the parent's views are untouched
+
+
+def test_copying_a_page_file_keeps_its_holes() -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = 64 * page
+    source, target = open_page_file(size), open_page_file(size)
+    try:
+        os.pwrite(source, b"a" * page, 3 * page)
+        os.pwrite(source, b"b" * (2 * page), 40 * page)
+        copy_file(source, target, size)
+        assert os.pread(target, size, 0) == os.pread(source, size, 0)
+        assert os.lseek(target, 0, os.SEEK_DATA) == 3 * page  # pages 0-2: still a hole
+        assert os.lseek(target, 4 * page, os.SEEK_DATA) == 40 * page
+    finally:
+        os.close(source)
+        os.close(target)
+
+
+def test_a_pool_of_plain_arrays_needs_no_copy() -> None:
+    pool = KVPool(8, block_size=16, num_kv_heads=1, head_dim=D, dtype=F32, view_mode="gather")
+    cache = KVCache(pool=pool)
+    for _ in range(20):
+        cache.attend(*token(1.0))
+
+    def child() -> None:
+        cache.clear()
+        for _ in range(40):
+            KVCache(pool=pool).attend(*token(5.0))
+
+    in_child(child)
+    assert close_to(cache.attend(*token(1.0)), 1.0)
