@@ -124,4 +124,5 @@ def _release_held() -> None:
         _held.pop().release()
 
 
-os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork (and no page file)
+    os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
