@@ -193,6 +193,8 @@ def _copy_range(source: int, target: int, start: int, end: int) -> None:
             done = 0
         if done <= 0:  # no copy_file_range here, or it refused: copy through memory
             chunk = os.pread(source, min(end - start, 1 << 24), start)
+            if not chunk:
+                raise OSError(errno.EIO, f"page file ended at byte {start:,}, before {end:,}")
             done = os.pwrite(target, chunk, start)
         start += done
 

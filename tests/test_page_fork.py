@@ -155,3 +155,20 @@ def test_a_pool_of_plain_arrays_needs_no_copy() -> None:
 
     in_child(child)
     assert close_to(cache.attend(*token(1.0)), 1.0)
+
+
+def test_copying_without_copy_file_range_goes_through_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: object) -> int:
+        raise OSError(18, "EXDEV")
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = 8 * page
+    source, target = open_page_file(size), open_page_file(size)
+    try:
+        os.pwrite(source, bytes(range(256)) * (page // 64), 2 * page)
+        copy_file(source, target, size)
+        assert os.pread(target, size, 0) == os.pread(source, size, 0)
+    finally:
+        os.close(source)
+        os.close(target)
