@@ -8,7 +8,8 @@ read, 1.0 to 9.0, tests/test_page_fork.py). Every pool with a page file is
 tracked here, and at each fork (``os.register_at_fork``):
 
 * before, in the parent: each pool's lock is taken (so no command of another
-  thread is half done in the copy), and a pipe is made;
+  thread is half done in the copy; a lock still held after ``LOCK_TIMEOUT_S``,
+  by the forking thread itself, say, is left), and a pipe is made;
 * in the child: each page file's data (its holes stay holes) is copied into a
   new file, which is mapped over the pool's own mapping in place, so every
   array keeps its address and now shows the copy; every page view is zeroed
