@@ -7,9 +7,10 @@ cleared its caches and cached new tokens changed what its parent's cache
 read, 1.0 to 9.0, tests/test_page_fork.py). Every pool with a page file is
 tracked here, and at each fork (``os.register_at_fork``):
 
-* before, in the parent: each pool's lock is taken (so no command of another
-  thread is half done in the copy; a lock still held after ``LOCK_TIMEOUT_S``,
-  by the forking thread itself, say, is left), and a pipe is made;
+* before, in the parent: each pool's lock and its views' lock are taken (so no
+  command or view read of another thread is half done in the copy; a lock
+  still held after ``LOCK_TIMEOUT_S``, by the forking thread itself, say, is
+  left), and a pipe is made;
 * in the child: each page file's data (its holes stay holes) is copied into a
   new file, which is mapped over the pool's own mapping in place, so every
   array keeps its address and now shows the copy; every page view is zeroed
@@ -69,8 +70,11 @@ def _before() -> None:
     if not records:
         return
     for record in records:
-        if record.lock.acquire(timeout=LOCK_TIMEOUT_S):
-            _held.append(record.lock)
+        # The pool's lock, then its views' (the order every command takes them in):
+        # attention reads views outside the pool's lock, under the registry's.
+        for lock in (record.lock, record.views.lock):
+            if lock.acquire(timeout=LOCK_TIMEOUT_S):
+                _held.append(lock)
     _pipe = os.pipe()  # not inherited by an exec: a child that execs closes its end
 
 

@@ -219,6 +219,11 @@ class PageViews:
         self._dead: list[int] = []
 
     @property
+    def lock(self) -> threading.Lock:
+        """The registry's lock; :mod:`pagedkv.page_fork` holds it across a fork, after the pool's."""
+        return self._lock
+
+    @property
     def num_mapped_blocks(self) -> int:
         """Blocks mapped now, over every range (an upper bound on the areas they take)."""
         with self._lock:

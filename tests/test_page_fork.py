@@ -172,3 +172,40 @@ def test_copying_without_copy_file_range_goes_through_memory(monkeypatch: pytest
     finally:
         os.close(source)
         os.close(target)
+
+
+def test_a_fork_waits_for_a_view_read_another_thread_is_in_the_middle_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    from pagedkv.views import PageViews
+
+    pool = views_pool()
+    spacer, mine = KVCache(pool=pool), KVCache(pool=pool)
+    for _ in range(20):  # interleaved: mine is read through views
+        spacer.attend(*token(3.0))
+        mine.attend(*token(1.0))
+    inside = threading.Event()
+    sync = PageViews._sync
+
+    def slow_sync(self: PageViews, *args: object) -> object:
+        if threading.current_thread().name == "reader" and not inside.is_set():
+            inside.set()  # the registry's lock is held, its account charged, the range not made
+            time.sleep(0.3)
+        return sync(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageViews, "_sync", slow_sync)
+    pool.release_views(mine._table)  # its next read maps again, through slow_sync
+    reader = threading.Thread(target=lambda: mine.attend(*token(1.0)), name="reader")
+    reader.start()
+    assert inside.wait(5)
+
+    def child() -> None:
+        pool.check_invariants()  # the read was finished before the fork, or not begun
+        assert close_to(mine.attend(*token(1.0)), 1.0)
+
+    in_child(child)
+    reader.join()
+    pool.check_invariants()
