@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -320,6 +320,13 @@ class KVCache:
             self._finalizer.detach()
         if self._private:
             self._pool = None
+
+    def __reduce__(self) -> NoReturn:
+        raise InputTypeError(
+            "a KVCache cannot be pickled or copied (its pool may sit in shared memory and holds a "
+            "lock); save it with pagedkv.snapshot.save(cache, path) and load it with "
+            "pagedkv.snapshot.load(path)"
+        )
 
     def __enter__(self) -> KVCache:
         return self

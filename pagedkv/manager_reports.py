@@ -7,6 +7,9 @@ cache, and live here apart from the commands that change them.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
+from pagedkv.errors import InputTypeError
 from pagedkv.locking import locked
 from pagedkv.metrics import ManagerMetrics, collect_metrics
 from pagedkv.pool import KVPool
@@ -55,6 +58,13 @@ class ManagerReports:
         self._seqs.check_invariants(keyed=self._sharing is not None, has_host_pool=self.host_pool is not None)
 
     # ------------------------------------------------------- internal hooks
+
+    def __reduce__(self) -> NoReturn:
+        raise InputTypeError(
+            "a KVCacheManager cannot be pickled or copied (its pool may sit in shared memory and "
+            "holds a lock); save it with pagedkv.snapshot.save(manager, path) and load it with "
+            "pagedkv.snapshot.load(path)"
+        )
 
     def _export_state(self) -> ManagerState:
         """Everything of this manager that its configuration and pools do not say (copies).

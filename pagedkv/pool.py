@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,7 @@ import numpy.typing as npt
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError, PoolTooLargeError
+from pagedkv.errors import ConfigError, InputTypeError, PoolTooLargeError
 from pagedkv.inputs import check_dtype
 from pagedkv.page_fork import track
 from pagedkv.page_store import PageStore
@@ -310,6 +310,12 @@ class KVPool(PageStore):
             raise AssertionError(f"view_mode {self.view_mode!r} but views {self._views is not None}")
         if self._views is not None:
             self._views.check_invariants()
+
+    def __reduce__(self) -> NoReturn:
+        raise InputTypeError(
+            "a KVPool cannot be pickled or copied: its pages may sit in shared memory and it holds a "
+            "lock; save the caches or the manager on it with pagedkv.snapshot.save(obj, path)"
+        )
 
     def __repr__(self) -> str:
         return (

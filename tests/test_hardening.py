@@ -319,3 +319,23 @@ def test_blocks_leaving_a_window_together_are_freed_newest_first() -> None:
     manager.free("b")
     assert manager.add_sequence("c", [0, 1, 2, 3, 99]) == 2  # block 0 (tokens 0, 1) is still found
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("view_mode", ["views", "gather"])
+def test_pools_caches_and_managers_refuse_pickle_and_copy_by_name_and_stay_usable(view_mode: str) -> None:
+    import copy
+    import pickle
+
+    pool = KVPool(8, block_size=16, num_kv_heads=1, head_dim=64, dtype=np.float32, view_mode=view_mode)
+    cache = KVCache(pool=pool)
+    manager = KVCacheManager(KVPool(8, block_size=16, num_kv_heads=1, head_dim=64, dtype=np.float32))
+    one = np.ones(64, np.float32)
+    before = cache.attend(one, one, one)
+    for obj, name in ((pool, "KVPool"), (cache, "KVCache"), (manager, "KVCacheManager")):
+        for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(InputTypeError, match=f"a {name} cannot be pickled or copied.*snapshot.save"):
+                attempt(obj)
+    assert pool.num_free_blocks == 7 and len(cache) == 1
+    assert np.allclose(cache.attend(one, one, one), before)
+    pool.check_invariants()
+    manager.check_invariants()
