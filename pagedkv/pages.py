@@ -13,6 +13,7 @@ side by side, :mod:`pagedkv.views`) or ``"gather"`` (copied into scratch,
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import weakref
@@ -23,7 +24,14 @@ import numpy.typing as npt
 
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.views import PageFile
-from pagedkv.vmem import PAGE_SIZE, open_page_file, views_supported
+from pagedkv.vmem import (
+    FDS_PER_PAGE_FILE,
+    PAGE_SIZE,
+    MapBudget,
+    descriptor_budget,
+    open_page_file,
+    views_supported,
+)
 
 __all__ = ["VIEW_MODES", "PageArrays", "choose_view_mode", "new_page_arrays"]
 
@@ -118,17 +126,30 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
     num_blocks = shape[0]
     block_bytes = int(np.prod(shape[1:])) * dtype.itemsize
     side_bytes = num_blocks * block_bytes
-    fd = open_page_file(2 * num_layers * side_bytes)
+    descriptors = descriptor_budget()
+    if not descriptors.take(FDS_PER_PAGE_FILE):
+        raise OSError(errno.EMFILE, f"page files hold {descriptors.num_used:,} of the "
+                      f"{descriptors.limit:,} descriptors they may use")
+    try:
+        fd = open_page_file(2 * num_layers * side_bytes)
+    except OSError:
+        descriptors.give(FDS_PER_PAGE_FILE)
+        raise
     try:
         whole = mmap.mmap(fd, 2 * num_layers * side_bytes, mmap.MAP_SHARED)
         count = int(np.prod(shape))
         sides = [np.frombuffer(whole, dtype, count=count, offset=index * side_bytes).reshape(shape)
                  for index in range(2 * num_layers)]
     except (OSError, ValueError, OverflowError):
-        os.close(fd)
+        _close_page_file(descriptors, fd)
         raise
     page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype, num_layers,
                          sides[0].ctypes.data, whole, bytearray(num_blocks))
     # The descriptor lives as long as the PageFile: views map it; the arrays keep `whole` mapped.
-    weakref.finalize(page_file, os.close, fd)
+    weakref.finalize(page_file, _close_page_file, descriptors, fd)
     return PageArrays(sides[0::2], sides[1::2], page_file)
+
+
+def _close_page_file(descriptors: MapBudget, fd: int) -> None:
+    os.close(fd)
+    descriptors.give(FDS_PER_PAGE_FILE)

@@ -40,8 +40,8 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "PAGE_SIZE", "MapBudget", "Reservation", "copy_file", "map_budget", "open_page_file", "populate",
-    "remap_shared", "renew_locks", "views_supported",
+    "FDS_PER_PAGE_FILE", "PAGE_SIZE", "MapBudget", "Reservation", "copy_file", "descriptor_budget",
+    "map_budget", "open_page_file", "populate", "remap_shared", "renew_locks", "views_supported",
 ]
 
 #: The granularity of a mapping: a block's bytes must be a multiple of it to be mapped.
@@ -296,12 +296,43 @@ def _default_limit() -> int:
 
 _BUDGET = MapBudget()
 
+#: Descriptors a page file keeps open: its own and the pool mapping's (``mmap.mmap`` dups it).
+FDS_PER_PAGE_FILE = 2
+
+
+def _default_descriptor_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX: no page files either
+        return 256
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        soft = 1 << 20
+    return soft // 4
+
+
+#: The same counter sized from ``RLIMIT_NOFILE``: page files may hold a quarter of the
+#: process's descriptors, so many pools never starve the rest of the program of files.
+_DESCRIPTORS = MapBudget(limit=_default_descriptor_limit())
+
 
 def renew_locks() -> None:
     """In a forked child: new locks for the libc loader and the budget (a parent thread may have held one)."""
     global _LIBC_LOCK
     _LIBC_LOCK = threading.Lock()
     _BUDGET._lock = threading.Lock()
+    _DESCRIPTORS._lock = threading.Lock()
+
+
+def descriptor_budget() -> MapBudget:
+    """The process's budget of file descriptors for page files (``FDS_PER_PAGE_FILE`` each).
+
+    A pool that finds it spent keeps plain arrays and gathers: same outputs.
+
+    >>> descriptor_budget().limit > 0
+    True
+    """
+    return _DESCRIPTORS
 
 
 def map_budget() -> MapBudget:

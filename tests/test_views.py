@@ -393,3 +393,23 @@ def test_a_pool_of_plain_arrays_takes_blocks_without_a_hook() -> None:
     pool = KVPool(8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32, view_mode="gather")
     assert pool.allocator.on_take is None
     assert pool.allocator.allocate(2) == [0, 1]
+
+
+def test_page_files_keep_to_their_share_of_descriptors_and_pools_past_it_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedkv.vmem import FDS_PER_PAGE_FILE, descriptor_budget
+
+    budget = descriptor_budget()
+    monkeypatch.setattr(budget, "limit", budget.num_used + FDS_PER_PAGE_FILE)  # room for one file
+    first = KVPool(8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32)
+    second = KVPool(8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32)
+    assert (first.view_mode, second.view_mode) == ("views", "gather")
+    outs = run_interleaved(second, 20)
+    for which in range(2):
+        expected = recompute(*stream(which, 20), dtype=F32)
+        assert all(np.array_equal(a, b) for a, b in zip(outs[which], expected))
+    del first
+    gc.collect()  # its file is closed and its descriptors given back
+    assert KVPool(8, block_size=BS, num_kv_heads=H, head_dim=D, dtype=F32).view_mode == "views"
+    budget.check_invariants()
