@@ -26,6 +26,7 @@ from pagedkv.errors import (
     ConfigError,
     InputTypeError,
     PoolExhaustedError,
+    refuse_pickling,
 )
 from pagedkv.inputs import (
     as_bounded_vectors,
@@ -322,11 +323,7 @@ class KVCache:
             self._pool = None
 
     def __reduce__(self) -> NoReturn:
-        raise InputTypeError(
-            "a KVCache cannot be pickled or copied (its pool may sit in shared memory and holds a "
-            "lock); save it with pagedkv.snapshot.save(cache, path) and load it with "
-            "pagedkv.snapshot.load(path)"
-        )
+        refuse_pickling(self)
 
     def __enter__(self) -> KVCache:
         return self

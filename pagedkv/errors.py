@@ -12,6 +12,8 @@ True
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 __all__ = [
     "BlockStateError",
     "BlockTableError",
@@ -136,3 +138,16 @@ class SnapshotIOError(OSError, SnapshotError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def refuse_pickling(obj: object) -> NoReturn:
+    """What ``__reduce__`` of a pool, a cache and a manager does: pickle and copy are refused.
+
+    Their pages may sit in shared memory and they hold locks; a snapshot is
+    the way to save or move them.
+    """
+    raise InputTypeError(
+        f"a {type(obj).__name__} cannot be pickled or copied (its pages may sit in shared memory, "
+        "and it holds a lock); save a KVCache or a KVCacheManager with "
+        "pagedkv.snapshot.save(obj, path) and load it with pagedkv.snapshot.load(path)"
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from pagedkv.errors import InputTypeError
+from pagedkv.errors import refuse_pickling
 from pagedkv.locking import locked
 from pagedkv.metrics import ManagerMetrics, collect_metrics
 from pagedkv.pool import KVPool
@@ -60,11 +60,7 @@ class ManagerReports:
     # ------------------------------------------------------- internal hooks
 
     def __reduce__(self) -> NoReturn:
-        raise InputTypeError(
-            "a KVCacheManager cannot be pickled or copied (its pool may sit in shared memory and "
-            "holds a lock); save it with pagedkv.snapshot.save(manager, path) and load it with "
-            "pagedkv.snapshot.load(path)"
-        )
+        refuse_pickling(self)
 
     def _export_state(self) -> ManagerState:
         """Everything of this manager that its configuration and pools do not say (copies).

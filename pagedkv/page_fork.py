@@ -44,11 +44,10 @@ LOCK_TIMEOUT_S = 10.0
 
 
 class ForkCopy:
-    """One pool's part in a fork: its lock, its page file and its views. The pool holds it."""
+    """One pool's part in a fork: its lock and its views (``views.pages``: its page file)."""
 
-    def __init__(self, lock: Any, page_file: PageFile, views: PageViews) -> None:
+    def __init__(self, lock: Any, views: PageViews) -> None:
         self.lock = lock
-        self.page_file = page_file
         self.views = views
 
 
@@ -57,9 +56,9 @@ _held: list[Any] = []  # locks ``before`` took, released after the fork on both 
 _pipe: tuple[int, int] | None = None
 
 
-def track(lock: Any, page_file: PageFile, views: PageViews) -> ForkCopy:
+def track(lock: Any, views: PageViews) -> ForkCopy:
     """Give a pool's page file a copy of its own in every forked child, while the pool holds the result."""
-    record = ForkCopy(lock, page_file, views)
+    record = ForkCopy(lock, views)
     _TRACKED.add(record)
     return record
 
@@ -96,7 +95,7 @@ def _after_in_child() -> None:
     renew_locks()
     try:
         for record in list(_TRACKED):
-            _own_copy(record.page_file)
+            _own_copy(record.views.pages)
             record.views.release_all_after_fork()
     except OSError as error:  # pragma: no cover - memfd_create or the copy failed in the child
         warnings.warn(f"pagedkv: a forked child could not copy its page files ({error}); "

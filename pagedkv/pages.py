@@ -130,18 +130,17 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
     if not descriptors.take(FDS_PER_PAGE_FILE):
         raise OSError(errno.EMFILE, f"page files hold {descriptors.num_used:,} of the "
                       f"{descriptors.limit:,} descriptors they may use")
+    fd = -1
     try:
         fd = open_page_file(2 * num_layers * side_bytes)
-    except OSError:
-        descriptors.give(FDS_PER_PAGE_FILE)
-        raise
-    try:
         whole = mmap.mmap(fd, 2 * num_layers * side_bytes, mmap.MAP_SHARED)
         count = int(np.prod(shape))
         sides = [np.frombuffer(whole, dtype, count=count, offset=index * side_bytes).reshape(shape)
                  for index in range(2 * num_layers)]
     except (OSError, ValueError, OverflowError):
-        _close_page_file(descriptors, fd)
+        if fd >= 0:
+            os.close(fd)
+        descriptors.give(FDS_PER_PAGE_FILE)
         raise
     page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype, num_layers,
                          sides[0].ctypes.data, whole, bytearray(num_blocks))

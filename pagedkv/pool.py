@@ -27,9 +27,9 @@ import numpy.typing as npt
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError, InputTypeError, PoolTooLargeError
+from pagedkv.errors import ConfigError, PoolTooLargeError, refuse_pickling
 from pagedkv.inputs import check_dtype
-from pagedkv.page_fork import track
+from pagedkv.page_fork import ForkCopy, track
 from pagedkv.page_store import PageStore
 from pagedkv.pages import choose_view_mode
 from pagedkv.quantization import bytes_per_token, check_storage_dtype, storage_format
@@ -151,18 +151,19 @@ class KVPool(PageStore):
         page_file = self._pages.page_file
         #: How fragmented tables are read: ``"views"`` (mapped) or ``"gather"`` (copied).
         self.view_mode = "views" if page_file is not None else "gather"
-        self._views = PageViews(page_file, map_budget()) if page_file is not None else None
-        if page_file is not None:
-            # A block's pages are allocated when it is handed out, not by a
-            # fault at each first touch (vmem.populate).
-            self.allocator.on_take = page_file.make_resident
         #: Held by every cache and manager command that changes this pool's
         #: allocator or pages (see docs/design.md, "Concurrency"). A plain
         #: lock, not re-entrant: a finalizer that finds it held defers its frees.
         self.lock = threading.Lock()
-        # A forked child copies the page file, so the two processes never share pages.
-        self._fork_copy = None if page_file is None or self._views is None else (
-            track(self.lock, page_file, self._views))
+        self._views: PageViews | None = None
+        self._fork_copy: ForkCopy | None = None
+        if page_file is not None:
+            self._views = PageViews(page_file, map_budget())
+            # A block's pages are allocated when it is handed out, not by a
+            # fault at each first touch (vmem.populate).
+            self.allocator.on_take = page_file.make_resident
+            # A forked child copies the page file, so the two processes never share pages.
+            self._fork_copy = track(self.lock, self._views)
         # What holds blocks of this pool, for ``check_invariants``. Weak, so a
         # cache dropped without close() can be collected and its finalizer
         # can give its blocks back.
@@ -312,10 +313,7 @@ class KVPool(PageStore):
             self._views.check_invariants()
 
     def __reduce__(self) -> NoReturn:
-        raise InputTypeError(
-            "a KVPool cannot be pickled or copied: its pages may sit in shared memory and it holds a "
-            "lock; save the caches or the manager on it with pagedkv.snapshot.save(obj, path)"
-        )
+        refuse_pickling(self)
 
     def __repr__(self) -> str:
         return (

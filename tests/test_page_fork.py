@@ -8,7 +8,10 @@ round: the first test read 9.0 (a child's token) where its parent had cached
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -17,11 +20,13 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCache, KVPool
+from pagedkv.views import PageViews
 from pagedkv.vmem import copy_file, open_page_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
                                 reason="page files and fork: Linux")
 
+CHILD_TIMEOUT_S = 30.0
 D = 64  # one token of one side: 256 bytes; a block of 16: one 4 KiB page
 F32 = np.float32
 
@@ -38,6 +43,25 @@ def token(value: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ones(D, F32), np.full(D, value, F32), np.full(D, value, F32)
 
 
+def interleaved(pool: KVPool, num_tokens: int, first: float, second: float) -> tuple[KVCache, KVCache]:
+    """Two caches written in turns (so neither table is one run: both read through views)."""
+    caches = KVCache(pool=pool), KVCache(pool=pool)
+    for _ in range(num_tokens):
+        caches[0].attend(*token(first))
+        caches[1].attend(*token(second))
+    return caches
+
+
+def overwrite_every_block(pool: KVPool, caches: tuple[KVCache, ...], value: float) -> np.ndarray:
+    """Clear ``caches``, then cache ``value`` in every block of ``pool``; the last output."""
+    for cache in caches:
+        cache.clear()
+    theirs = KVCache(pool=pool)
+    for _ in range(pool.num_blocks * pool.block_size):
+        out = theirs.attend(*token(value))
+    return out
+
+
 def in_child(body: Callable[[], None], *, after_fork: Callable[[], None] = lambda: None) -> None:
     """Run ``body`` in a forked child; fail here if it raised (its traceback goes to stderr)."""
     with warnings.catch_warnings():
@@ -52,25 +76,23 @@ def in_child(body: Callable[[], None], *, after_fork: Callable[[], None] = lambd
             code = 1
         os._exit(code)
     after_fork()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child failed (traceback above)"
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:  # a child stuck on a lock its parent's thread held at the fork
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"the child did not finish in {CHILD_TIMEOUT_S} s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child failed (traceback above)"
 
 
 def test_a_childs_writes_never_reach_its_parents_pages() -> None:
     pool = views_pool()
-    mine, other = KVCache(pool=pool), KVCache(pool=pool)
-    for _ in range(40):  # interleaved, so both are read through views
-        mine.attend(*token(1.0))
-        other.attend(*token(2.0))
+    mine, other = interleaved(pool, 40, 1.0, 2.0)
     before = mine.attend(*token(1.0))
 
     def child() -> None:
-        mine.clear()
-        other.clear()
-        theirs = KVCache(pool=pool)
-        for _ in range(100):  # takes every block the parent's caches hold
-            out = theirs.attend(*token(9.0))
-        assert close_to(out, 9.0)
+        assert close_to(overwrite_every_block(pool, (mine, other), 9.0), 9.0)
         pool.check_invariants()
 
     in_child(child)
@@ -81,10 +103,7 @@ def test_a_childs_writes_never_reach_its_parents_pages() -> None:
 
 def test_a_parents_writes_after_the_fork_never_reach_the_child() -> None:
     pool = views_pool()
-    mine, other = KVCache(pool=pool), KVCache(pool=pool)
-    for _ in range(20):
-        mine.attend(*token(1.0))
-        other.attend(*token(2.0))
+    mine, other = interleaved(pool, 20, 1.0, 2.0)
     read_end, write_end = os.pipe()
 
     def child() -> None:
@@ -96,11 +115,7 @@ def test_a_parents_writes_after_the_fork_never_reach_the_child() -> None:
 
     def parent() -> None:
         os.close(read_end)
-        mine.clear()
-        other.clear()
-        theirs = KVCache(pool=pool)
-        for _ in range(8 * 16):
-            theirs.attend(*token(7.0))
+        overwrite_every_block(pool, (mine, other), 7.0)
         os.write(write_end, b"1")
         os.close(write_end)
 
@@ -109,10 +124,7 @@ def test_a_parents_writes_after_the_fork_never_reach_the_child() -> None:
 
 def test_an_array_read_before_the_fork_reads_zeros_in_the_child_never_the_parents_data() -> None:
     pool = views_pool()
-    spacer, mine = KVCache(pool=pool), KVCache(pool=pool)
-    for _ in range(33):
-        spacer.attend(*token(3.0))
-        mine.attend(*token(1.0))
+    _spacer, mine = interleaved(pool, 33, 3.0, 1.0)  # the spacer keeps mine fragmented
     keys, _ = pool.read(0, mine._table, [(0, 33)])
     assert pool.view_stats.num_view_reads >= 1 and np.all(keys == 1.0)
 
@@ -149,9 +161,7 @@ def test_a_pool_of_plain_arrays_needs_no_copy() -> None:
         cache.attend(*token(1.0))
 
     def child() -> None:
-        cache.clear()
-        for _ in range(40):
-            KVCache(pool=pool).attend(*token(5.0))
+        assert close_to(overwrite_every_block(pool, (cache,), 5.0), 5.0)
 
     in_child(child)
     assert close_to(cache.attend(*token(1.0)), 1.0)
@@ -177,16 +187,8 @@ def test_copying_without_copy_file_range_goes_through_memory(monkeypatch: pytest
 def test_a_fork_waits_for_a_view_read_another_thread_is_in_the_middle_of(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import threading
-    import time
-
-    from pagedkv.views import PageViews
-
     pool = views_pool()
-    spacer, mine = KVCache(pool=pool), KVCache(pool=pool)
-    for _ in range(20):  # interleaved: mine is read through views
-        spacer.attend(*token(3.0))
-        mine.attend(*token(1.0))
+    _spacer, mine = interleaved(pool, 20, 3.0, 1.0)  # the spacer keeps mine fragmented
     inside = threading.Event()
     sync = PageViews._sync
 
