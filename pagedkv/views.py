@@ -103,15 +103,12 @@ class PageFile:
         fresh = [block_id for block_id in block_ids if not resident[block_id]]
         if not fresh:
             return
-        fresh.sort()
-        start = previous = fresh[0]
-        runs = []
-        for block_id in fresh[1:]:
-            if block_id != previous + 1:
-                runs.append((start, previous + 1 - start))
-                start = block_id
-            previous = block_id
-        runs.append((start, previous + 1 - start))
+        runs: list[list[int]] = []  # [first id, count] of each run of consecutive fresh ids
+        for block_id in sorted(fresh):
+            if runs and block_id == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([block_id, 1])
         for first, count in runs:
             resident[first : first + count] = b"\x01" * count
             for layer_side in range(2 * self.num_layers):
