@@ -148,6 +148,19 @@ class PagedSide:
         sizes = (1, STEP_SEQS, STEP_PROMPT, PROMPT)
         self.kv = {n: rng.standard_normal((n, 1, HEAD_DIM), dtype=DTYPE) for n in sizes}  # (n, 1, head_dim)
         self.num_seqs = 0
+        self.touch_pool()
+
+    def touch_pool(self) -> None:
+        """Write every block once and free it: a running engine's pages are resident.
+
+        A fresh pool's memory is mapped on first write (a page fault per
+        4 KiB); without this the first hundred cycles would pay those faults.
+        """
+        manager, num_tokens = self.manager, NUM_BLOCKS * BLOCK_SIZE
+        manager.add_sequence("touch", cache_blocks=False)
+        zeros = np.zeros((num_tokens, 1, HEAD_DIM), DTYPE)
+        manager.write(0, manager.reserve({"touch": num_tokens}), zeros, zeros)
+        manager.free("touch")
 
     def admit(self, prompt: list[int]) -> int:
         manager = self.manager
@@ -197,8 +210,8 @@ def _clock_cost_ns() -> float:
 Sample = Callable[[], dict[str, float]]
 
 
-def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float]]:
-    """Median of each row's reported values (seconds per unit), rows interleaved round-robin."""
+def run_rounds(rows: dict[str, Sample], repeats: int) -> dict[str, list[dict[str, float]]]:
+    """Every row's samples, in rounds: sample ``i`` of each row was taken in round ``i``, back to back."""
     names = list(rows)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for name in names:  # warm-up
@@ -212,10 +225,31 @@ def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float
                 samples[name].append(rows[name]())
     finally:
         gc.enable()
+    return samples
+
+
+def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float]]:
+    """Median of each row's reported values (seconds per unit), rows interleaved round-robin."""
     return {
         name: {key: statistics.median(s[key] for s in values) for key in values[0]}
-        for name, values in samples.items()
+        for name, values in run_rounds(rows, repeats).items()
     }
+
+
+def _median_of(samples: list[dict[str, float]], key: str) -> dict[str, float]:
+    return {key: statistics.median(sample[key] for sample in samples)}
+
+
+def paired_ratio(rounds: dict[str, list[dict[str, float]]], name: str, key: str) -> str:
+    """Median over rounds of vLLM's time / ``name``'s time, each round's two samples taken back to back.
+
+    Load on a shared machine drifts over a run; a ratio of samples taken
+    together cancels most of it, where a ratio of the two medians does not.
+    """
+    if "vLLM" not in rounds or name not in rounds:
+        return NONE
+    ratios = [theirs[key] / ours[key] for theirs, ours in zip(rounds["vLLM"], rounds[name])]
+    return f"{statistics.median(ratios):.2f}"
 
 
 def _paged_variants() -> list[tuple[str, bool]]:
@@ -429,6 +463,9 @@ def _separate_over_batched(medians: dict[str, float]) -> str:
     return f"{medians['separate reserve'] / medians['batched reserve']:.2f}"
 
 
+_PAGED_ROWS = ("pagedkv", "pagedkv trusted")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm", help="a vLLM wheel, or a folder holding its vllm/ package")
@@ -455,15 +492,18 @@ def main(argv: list[str] | None = None) -> None:
         ]
         print(header("Manager bookkeeping against vLLM (benchmarks/bench_requests.py)", parameters))
 
-        print("\n### Request cycles (cycles per second; the last column: pagedkv's rate / vLLM's)\n")
-        print("| workload | vLLM | pagedkv | pagedkv trusted | pagedkv / vLLM |")
-        print("|---|---:|---:|---:|---:|")
+        print(
+            "\n### Request cycles (cycles per second; the ratios: pagedkv's rate / vLLM's, "
+            "the median over rounds of each round's pair)\n"
+        )
+        print("| workload | vLLM | pagedkv | pagedkv trusted | pagedkv / vLLM | trusted / vLLM |")
+        print("|---|---:|---:|---:|---:|---:|")
         for caching in (False, True):
-            medians = run_rows(cycle_rows(vllm, caching, args.cycles), args.repeats)
-            theirs = medians.get("vLLM", {}).get("cycle")
-            ratio = f"{theirs / medians['pagedkv']['cycle']:.2f}" if theirs else NONE
+            rounds = run_rounds(cycle_rows(vllm, caching, args.cycles), args.repeats)
+            medians = {name: _median_of(r, "cycle") for name, r in rounds.items()}
+            ratios = " | ".join(paired_ratio(rounds, name, "cycle") for name in _PAGED_ROWS)
             label = "caching on, a miss" if caching else "caching off"
-            print(f"| {label} | {_cells(medians, lambda m: _rate(m['cycle']))} | {ratio} |")
+            print(f"| {label} | {_cells(medians, lambda m: _rate(m['cycle']))} | {ratios} |")
         print("\nTargets (issue 13): >= 1.5 k cycles/s caching off, >= 1.1 k caching on.")
 
         splits = run_rows(split_rows(vllm, clock_ns), args.repeats * 2)

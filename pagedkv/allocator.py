@@ -222,13 +222,21 @@ class BlockAllocator(CachedBlockMarks):
         head = self._head
         end = head + num_blocks
         queue = self._queue
-        if end > len(queue):
-            num_free = len(queue) - head + len(self._cached_free)
+        if end > len(queue):  # every plain free block, then the least recently freed cached ones
+            cached_free = self._cached_free
+            num_free = len(queue) - head + len(cached_free)
             if num_blocks > num_free:
                 raise PoolExhaustedError(num_blocks, num_free, self._num_blocks)
-            return [self.allocate_one() for _ in range(num_blocks)]
-        block_ids = queue[head:end]
-        self._head = end
+            evicted = [cached_free.popitem(last=False)[0] for _ in range(end - len(queue))]
+            self._cached.difference_update(evicted)
+            block_ids = queue[head:] + evicted
+            self._head = len(queue)
+            if self.on_evict is not None:
+                for block_id in evicted:
+                    self.on_evict(block_id)
+        else:
+            block_ids = queue[head:end]
+            self._head = end
         ref_counts = self._ref_counts
         for block_id in block_ids:
             ref_counts[block_id] = 1

@@ -241,9 +241,14 @@ class BlockTable(TableLayout):
             first = window_ids[0]
             if ids and ids[-1] + 1 != first:
                 self._num_breaks += 1
-            # NOTE: one C-level compare finds the common case (a prefill's new
-            # blocks are consecutive ids); only other lists are walked.
-            if window_ids != list(range(first, first + len(window_ids))):
+            # NOTE: one C-level compare finds the common cases (a prefill's new
+            # blocks are consecutive ids: ascending from a fresh pool, descending
+            # as a freed sequence's blocks come back, tail first); only other
+            # lists are walked.
+            num_new = len(window_ids)
+            if window_ids == list(range(first, first - num_new, -1)):
+                self._num_breaks += num_new - 1
+            elif window_ids != list(range(first, first + num_new)):
                 self._num_breaks += count_breaks(window_ids)
             ids.extend(window_ids)
         self.blocks_version += 1

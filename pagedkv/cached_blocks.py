@@ -54,6 +54,19 @@ class CachedBlockMarks:
             raise BlockStateError(f"block {block_id} is free; only used blocks can be marked cached")
         self._cached.add(block_id)
 
+    def mark_cached_blocks(self, block_ids: list[int]) -> None:
+        """:meth:`mark_cached` of each of ``block_ids``: all of them, or (raising) none.
+
+        Raises:
+            UnknownBlockError, BlockStateError: as :meth:`mark_cached`, for the first bad id.
+        """
+        ref_counts = self._ref_counts
+        num_blocks = len(ref_counts)
+        for block_id in block_ids:
+            if block_id.__class__ is not int or not 0 <= block_id < num_blocks or not ref_counts[block_id]:
+                self.mark_cached(block_id)  # raises what is wrong with it
+        self._cached.update(block_ids)
+
     def unmark_cached(self, block_id: int) -> None:
         """Drop a block's cached mark; a cached free block becomes a plain free one.
 

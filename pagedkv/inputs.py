@@ -264,7 +264,12 @@ def check_tokens(
 
 
 def check_token_pair(
-    keys: Any, values: Any, dtype: np.dtype[Any], expected: tuple[int, int, int], scan: bool = True
+    keys: Any,
+    values: Any,
+    dtype: np.dtype[Any],
+    expected: tuple[int, int, int],
+    scan: bool = True,
+    index: npt.NDArray[np.intp] | None = None,
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], float]:
     """:func:`check_tokens` of a write's ``keys`` and ``values`` in one call: both arrays, and max |key|.
 
@@ -278,6 +283,11 @@ def check_token_pair(
         scan: False skips scanning both on the fast path (as
             ``check_tokens(..., scan=False)``, the largest |key| then
             reported as 0.0); type, dtype and shape are checked either way.
+        index: a 0-d ``intp`` array the fast path's ``argmax``/``argmin``
+            write into instead of allocating each result (``KVCacheManager``
+            passes its own, used only under the pool's lock: another thread
+            writing it between an ``argmax`` and its ``item`` would point the
+            check at the wrong value). None: a fresh one.
 
     Raises:
         InputTypeError, NonFiniteError, ShapeError: as :func:`as_tokens`.
@@ -298,12 +308,16 @@ def check_token_pair(
             return keys, values, 0.0
         # NOTE: largest_magnitude's rule, inlined: two calls of it measured
         # 48.6k -> 50.2k instructions a decode reserve + write (callgrind).
+        # With ``out=index`` numpy allocates no result array: the four calls
+        # cost about 300 ns less a decode write (benchmarks/bench_requests.py).
+        if index is None:
+            index = np.empty((), np.intp)
         limit = _LIMITS.get(dtype) or value_limit(dtype)
-        high = keys.item(keys.argmax())
-        low = keys.item(keys.argmin())
+        high = keys.item(keys.argmax(None, index))
+        low = keys.item(keys.argmin(None, index))
         if high <= limit and -low <= limit:  # False for a NaN
-            value_high = values.item(values.argmax())
-            value_low = values.item(values.argmin())
+            value_high = values.item(values.argmax(None, index))
+            value_low = values.item(values.argmin(None, index))
             if value_high <= limit and -value_low <= limit:
                 return keys, values, high if high >= -low else -low
     key_array, largest = check_tokens("keys", keys, dtype, expected, scan)

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from pagedkv.admission import AdmissionPlan, admit
@@ -159,6 +160,8 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         self.trusted_inputs = config.trusted_inputs
         self._seqs = SequenceRegistry()
         self._max_abs_key = [0.0] * pool.num_layers
+        # write's argmax/argmin results land here (check_token_pair's index): under pool.lock only.
+        self._scan_index = np.empty((), np.intp)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._sharing = PrefixSharing.for_manager(pool, config) if config.enable_prefix_caching else None
         # The pools hold these weakly; the manager keeps them alive.
@@ -352,7 +355,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         with self.pool.lock:  # inline, as in reserve
             write_layer(
                 self.pool, self._seqs, self._sharing, self._max_abs_key, self.trusted_inputs,
-                layer, batch, keys, values,
+                layer, batch, keys, values, self._scan_index,
             )
 
     def attend(

@@ -33,7 +33,7 @@ import numpy as np
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.events import KVEventBuffer
-from pagedkv.extra_keys import block_tails, field
+from pagedkv.extra_keys import block_tails
 
 __all__ = [
     "HASH_KEY_SIZES",
@@ -148,7 +148,7 @@ def _pack_list(value: list[object]) -> array[int] | None:
         return None
     if packed:
         signed = np.frombuffer(packed, np.int64)
-        smallest = signed.min()
+        smallest = signed.item(signed.argmin())  # no ufunc set-up: a quarter of min()'s cost
         if smallest < 0:
             return None  # an id of 2**63 or more
         if smallest <= 1:
@@ -198,11 +198,17 @@ def block_keys(
     token_tag = b"T" + struct.pack("<Q", step)
     num_blocks = len(tokens) // step
     tails = block_tails(extras, first_block, num_blocks, block_size)
+    length = _LENGTH.pack
     for i, start in enumerate(range(0, num_blocks * step, step)):
         tail = tails if isinstance(tails, bytes) else tails[i]
-        parent = hasher(b"".join((field(b"P", parent), token_tag, tokens[start : start + step], tail)))
+        # field(b"P", parent) spelled out: one call less a block
+        block = tokens[start : start + step]
+        parent = hasher(b"".join((b"P", length(len(parent)), parent, token_tag, block, tail)))
         keys.append(parent)
     return keys
+
+
+_LENGTH = struct.Struct("<Q")  # extra_keys.field's length prefix
 
 
 class PrefixCache:
@@ -286,6 +292,30 @@ class PrefixCache:
         self._block_of[key] = block_id
         self._key_of[block_id] = key
         return True
+
+    def register_blocks(self, block_ids: Sequence[int | None], keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`register` of each ``(block_id, key)`` pair in turn (a None id: False); what each returned.
+
+        All of it or, when the allocator refuses an id (``mark_cached``'s
+        errors), none of it.
+        """
+        block_of, key_of = self._block_of, self._key_of
+        stored: list[bool] = []
+        new: dict[int, bytes] = {}  # block id -> key, in order
+        new_keys: set[bytes] = set()
+        for block_id, key in zip(block_ids, keys):
+            fresh = block_id is not None and not (
+                key in block_of or key in new_keys or block_id in key_of or block_id in new
+            )
+            if fresh and block_id is not None:
+                new[block_id] = key
+                new_keys.add(key)
+            stored.append(fresh)
+        self._allocator.mark_cached_blocks(list(new))
+        # ---- validated ----
+        key_of.update(new)
+        block_of.update(zip(new.values(), new))
+        return stored
 
     def forget(self, block_id: int) -> None:
         """Drop ``block_id``'s key, if it has one: its contents are about to change.

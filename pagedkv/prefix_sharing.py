@@ -13,6 +13,8 @@ prompt's longest cached prefix into a block table of shared blocks.
 
 from __future__ import annotations
 
+from array import array
+
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
 from pagedkv.counts import ceil_div
@@ -26,7 +28,6 @@ from pagedkv.prefix_cache import (
     PrefixCache,
     block_keys,
     hash_function,
-    token_bytes,
 )
 from pagedkv.prefix_stats import HitWindow
 from pagedkv.sequence import SequenceRecord
@@ -227,7 +228,8 @@ class PrefixSharing:
         num_ready = first + len(new_keys)
         if num_ready < num_full:
             parent = new_keys[-1] if new_keys else record.block_keys[-1] if record.block_keys else ROOT_KEY
-            tokens = token_bytes(record.token_ids[num_ready * bs : num_full * bs])
+            # ids reserve (or add_sequence) validated: their bytes alone are wanted (token_bytes' rule)
+            tokens = array("q", record.token_ids[num_ready * bs : num_full * bs]).tobytes()
             new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher, num_ready)
         record.block_keys.extend(new_keys)
         self._register(record, range(first, num_full))
@@ -257,11 +259,13 @@ class PrefixSharing:
         With events on, each run of consecutive newly keyed blocks is one
         ``BlockStored``, whose parent is the key of the block before it.
         """
-        table, cache, keys = record.table, self.cache, record.block_keys
+        keys = record.block_keys[logical_blocks.start : logical_blocks.stop]
+        stored = self.cache.register_blocks(record.table.ids_of_blocks(logical_blocks), keys)
+        if self.cache.events is None:
+            return
         run: list[int] = []
-        for logical_block in logical_blocks:
-            key = keys[logical_block]
-            if table.holds_block(logical_block) and cache.register(table.block_id(logical_block), key):
+        for logical_block, fresh in zip(logical_blocks, stored):
+            if fresh:
                 run.append(logical_block)
                 continue
             self._report(record, run)

@@ -172,8 +172,8 @@ def reserve_one(
         if value < 1:
             return None
         count, token_ids = value, None
-    elif one_token_id(value):
-        count, token_ids = 1, [value[0]]
+    elif value.__class__ is list and len(value) == 1 and one_token_id(value):
+        count, token_ids = 1, value  # only read (note_reserved copies the id)
     else:
         return None
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attend_fast import attend_one_sequence
@@ -40,11 +41,14 @@ def write_layer(
     batch: Batch,
     keys: Any,
     values: Any,
+    scan_index: npt.NDArray[np.intp] | None = None,
 ) -> None:
     """Store one layer's k/v for every token of ``batch`` (the caller holds ``pool.lock``).
 
     Updates ``max_abs_key[layer]``, each record's written count, and (with
-    ``sharing``) keys the blocks now full in every layer.
+    ``sharing``) keys the blocks now full in every layer. ``scan_index``: the
+    caller's scratch for the value scan (``check_token_pair``'s ``index``),
+    used only under that lock.
 
     NOTE: a single-token batch (a decode) takes the first branch: the same
     checks as the general path below (the batch is the very one ``reserve``
@@ -72,7 +76,7 @@ def write_layer(
             and record.num_written[layer] == position
         ):
             key_array, value_array, largest_key = check_token_pair(
-                keys, values, pool.dtype, pool.token_shape, not trusted_inputs
+                keys, values, pool.dtype, pool.token_shape, not trusted_inputs, scan_index
             )
             # ---- validated ----
             pool.write_token(layer, slot, key_array, value_array)
@@ -93,7 +97,7 @@ def write_layer(
             )
     expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
     key_array, value_array, largest_key = check_token_pair(
-        keys, values, pool.dtype, expected, not trusted_inputs
+        keys, values, pool.dtype, expected, not trusted_inputs, scan_index
     )
     # ---- validated ----
     pieces = issued_slots(batch)

@@ -167,6 +167,23 @@ class TableLayout:
             return logical_block < len(self._sink_ids)
         return self._first_block <= logical_block < last
 
+    def ids_of_blocks(self, logical_blocks: range) -> list[int | None]:
+        """Each of ``logical_blocks``' id when it is held, else None (:meth:`holds_block`, :meth:`block_id`).
+
+        A range wholly in the window part (every block of a sequence with no
+        sinks and no window) is one slice of the ids.
+        """
+        start, stop = logical_blocks.start, logical_blocks.stop
+        if (
+            logical_blocks.step == 1
+            and start >= self.num_sink_blocks
+            and start >= self._first_block
+            and stop <= ceil_div(self.num_tokens, self.block_size)
+        ):
+            first = self._first_block
+            return list(islice(self._ids, start - first, max(start, stop) - first))
+        return [self.block_id(block) if self.holds_block(block) else None for block in logical_blocks]
+
     def block_id(self, logical_block: int) -> int:
         """The id of the block holding logical block ``logical_block`` (it must be held)."""
         if logical_block < self.num_sink_blocks:

@@ -337,3 +337,48 @@ def test_allocator_agrees_with_a_dict_of_ref_counts(
         for block_id in range(alloc.num_blocks):
             assert alloc.ref_count(block_id) == model_refs[block_id]
             assert alloc.is_shared(block_id) == (model_refs[block_id] > 1)
+
+
+@given(
+    num_used=st.integers(0, 8),
+    num_cached=st.integers(0, 8),
+    order=st.permutations(range(8)),
+    num_taken=st.integers(0, 8),
+)
+def test_allocate_past_the_plain_blocks_is_allocate_one_n_times(
+    num_used: int, num_cached: int, order: list[int], num_taken: int
+) -> None:
+    """Plain free blocks in queue order, then cached ones least recently freed first, each evicted."""
+
+    def build() -> tuple[BlockAllocator, list[tuple[str, list[int] | int]]]:
+        allocator = BlockAllocator(8)
+        taken = allocator.allocate(8)
+        keep = min(num_used, 8)
+        freed = [taken[i] for i in order if i >= keep]
+        cached = freed[:num_cached]
+        for block_id in cached:
+            allocator.mark_cached(block_id)
+        allocator.free(freed)
+        calls: list[tuple[str, list[int] | int]] = []
+        allocator.on_evict = lambda block_id: calls.append(("evict", block_id))
+        allocator.on_take = lambda block_ids: calls.append(("take", list(block_ids)))
+        return allocator, calls
+
+    batched, batched_calls = build()
+    one_by_one, one_by_one_calls = build()
+    if num_taken > one_by_one.num_free_blocks:
+        with pytest.raises(PoolExhaustedError):
+            batched.allocate(num_taken)
+        assert batched_calls == []
+        return
+    ids = batched.allocate(num_taken)
+    assert ids == [one_by_one.allocate_one() for _ in range(num_taken)]
+    evicted = [call for call in one_by_one_calls if call[0] == "evict"]
+    assert [call for call in batched_calls if call[0] == "evict"] == evicted
+    assert [call for call in batched_calls if call[0] == "take"] == [("take", ids)]
+    assert (batched.free_block_ids(), batched.cached_free_block_ids()) == (
+        one_by_one.free_block_ids(),
+        one_by_one.cached_free_block_ids(),
+    )
+    assert [batched.ref_count(i) for i in range(8)] == [one_by_one.ref_count(i) for i in range(8)]
+    batched.check_invariants()

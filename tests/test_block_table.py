@@ -252,6 +252,29 @@ def test_table_holds_exactly_the_logical_blocks_of_its_window(
         for index in range(window_start, num_tokens):
             block_id = where[index // block_size]
             assert table.slot(index) == block_id * block_size + index % block_size
+        num_logical = ceil_div(num_tokens, block_size) + 1
+        for lo in range(num_logical + 1):
+            for hi in range(lo, num_logical + 1):
+                assert table.ids_of_blocks(range(lo, hi)) == [where.get(j) for j in range(lo, hi)]
+
+
+@given(
+    block_size=st.integers(1, 4),
+    num_sink_tokens=st.integers(0, 9),
+    num_tokens=st.integers(0, 30),
+    num_evicted=st.integers(0, 30),
+)
+def test_ids_of_blocks_are_holds_block_and_block_id_with_sinks(
+    block_size: int, num_sink_tokens: int, num_tokens: int, num_evicted: int
+) -> None:
+    table = BlockTable(block_size, num_sink_tokens)
+    table.append(num_tokens, list(range(100, 100 + table.num_new_blocks(num_tokens))))
+    table.evict_to(min(num_sink_tokens + num_evicted, num_tokens))
+    num_logical = ceil_div(num_tokens, block_size) + 1
+    for lo in range(num_logical + 1):
+        for hi in range(lo, num_logical + 1):
+            expected = [table.block_id(j) if table.holds_block(j) else None for j in range(lo, hi)]
+            assert table.ids_of_blocks(range(lo, hi)) == expected
 
 
 def test_blocks_version_grows_with_every_change_of_the_held_blocks() -> None:

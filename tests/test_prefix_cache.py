@@ -26,7 +26,7 @@ from support.managers import make_manager
 from support.prefix import SHA256, Runner, from_scratch, key_chain, kv_of, make, prefix_of
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
-from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
+from pagedkv.errors import BlockStateError, ConfigError, InputTypeError, SequenceStateError, UnknownBlockError
 from pagedkv.extra_keys import encode_extra_keys
 from pagedkv.prefix_cache import (
     ROOT_KEY,
@@ -167,6 +167,46 @@ def test_register_first_wins_and_a_keyed_block_keeps_its_key() -> None:
     assert not cache.register(b0, b"other")  # b0 keeps its key
     assert (cache.block_for(b"k"), cache.key_of(b0), cache.key_of(b1)) == (b0, b"k", None)
     assert cache.block_for(b"other") is None
+    cache.check_invariants()
+
+
+@given(
+    pairs=st.lists(
+        st.tuples(st.one_of(st.none(), st.integers(0, 5)), st.sampled_from([b"a", b"b", b"c", b"d"])),
+        max_size=8,
+    ),
+    keyed_first=st.lists(st.tuples(st.integers(0, 5), st.sampled_from([b"a", b"x"])), max_size=2),
+)
+def test_register_blocks_is_register_of_each_pair_in_turn(
+    pairs: list[tuple[int | None, bytes]], keyed_first: list[tuple[int, bytes]]
+) -> None:
+    def fresh() -> tuple[BlockAllocator, PrefixCache]:
+        allocator = BlockAllocator(6)
+        cache = PrefixCache(allocator)
+        allocator.allocate(6)
+        for block_id, key in keyed_first:
+            cache.register(block_id, key)
+        return allocator, cache
+
+    one_by_one_allocator, one_by_one = fresh()
+    expected = [block_id is not None and one_by_one.register(block_id, key) for block_id, key in pairs]
+    allocator, cache = fresh()
+    assert cache.register_blocks([b for b, _ in pairs], [k for _, k in pairs]) == expected
+    assert cache._block_of == one_by_one._block_of and cache._key_of == one_by_one._key_of
+    assert allocator._cached == one_by_one_allocator._cached
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("bad_id", [3, 9, -1, 2.0])  # free, not in the pool, negative, a float
+def test_register_blocks_with_an_id_the_allocator_refuses_changes_nothing(bad_id: object) -> None:
+    allocator = BlockAllocator(4)
+    cache = PrefixCache(allocator)
+    allocator.allocate(3)
+    cache.register(0, b"k0")
+    before = (dict(cache._block_of), dict(cache._key_of), set(allocator._cached))
+    with pytest.raises((BlockStateError, UnknownBlockError)):
+        cache.register_blocks([1, bad_id], [b"k1", b"k2"])  # type: ignore[list-item]
+    assert (cache._block_of, cache._key_of, allocator._cached) == before
     cache.check_invariants()
 
 

@@ -173,8 +173,11 @@ def test_a_refused_decode_write_changes_nothing(keys: Any, values: Any, error: t
     st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=4, max_size=4),
     st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=4, max_size=4),
     st.booleans(),
+    st.integers(-(2**40), 2**40),
 )
-def test_the_pair_check_is_two_token_checks(keys: list[float], values: list[float], scan: bool) -> None:
+def test_the_pair_check_is_two_token_checks(
+    keys: list[float], values: list[float], scan: bool, stale_index: int
+) -> None:
     dtype, shape = np.dtype(np.float32), (1, 2, 2)
     key_array = np.array(keys, np.float32).reshape(shape)
     value_array = np.array(values, np.float32).reshape(shape)
@@ -188,10 +191,95 @@ def test_the_pair_check_is_two_token_checks(keys: list[float], values: list[floa
         checked_keys, checked_values, largest = check_token_pair(key_array, value_array, dtype, shape, scan)
         return checked_keys.tobytes(), checked_values.tobytes(), largest  # bytes: a NaN equals itself
 
+    index = np.array(stale_index, np.intp)  # what an earlier call left there must not matter
+
+    def paired_into_index() -> Any:
+        checked = check_token_pair(key_array, value_array, dtype, shape, scan, index)
+        return checked[0].tobytes(), checked[1].tobytes(), checked[2]
+
     results = []
-    for run in (separate, paired):
+    for run in (separate, paired, paired_into_index, paired_into_index):
         try:
             results.append(run())
         except PagedKVError as error:
             results.append((type(error), str(error)))
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2] == results[3]
+
+
+def test_two_threads_writing_at_once_each_get_their_own_verdict() -> None:
+    """The manager's scan index is shared by its writes: the pool's lock keeps one write's reading.
+
+    One thread keeps writing keys whose NaN sits at index 0 (``argmax`` points
+    there), the other good keys whose largest sits at index 3. Were the index
+    written and read without the lock, the first thread's check could read the
+    other's index, see 1.0 and store the NaN. With the pool's lock replaced by
+    a no-op this test failed in 3 of 10 runs (a race is a matter of timing);
+    the next test catches that mutation every time.
+    """
+    import sys
+    import threading
+
+    manager = make_manager(512, block_size=16, head_dim=4)
+    for seq_id in ("nan", "good"):
+        manager.add_sequence(seq_id)
+    nan_keys = np.array([[[np.nan, 1.0, 1.0, 1.0]]])
+    good_keys = np.array([[[1.0, 2.0, 3.0, 4.0]]])
+    bad_batch = manager.reserve({"nan": 1})
+    accepted: list[str] = []
+    refused: list[str] = []
+    start = threading.Barrier(2)
+
+    def write_nans() -> None:
+        start.wait()
+        for _ in range(20_000):
+            try:
+                manager.write(0, bad_batch, nan_keys, good_keys)
+            except NonFiniteError:
+                continue
+            accepted.append("a NaN")
+            return
+
+    def write_good() -> None:
+        start.wait()
+        for _ in range(3000):
+            batch = manager.reserve({"good": 1})
+            try:
+                manager.write(0, batch, good_keys, good_keys)
+            except NonFiniteError:
+                refused.append("good keys")
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=write_nans), threading.Thread(target=write_good)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert accepted == refused == []
+    assert manager._seqs["nan"].num_written == [0]
+    assert manager._seqs["good"].num_written == [3000]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])  # a decode (the fast branch) and a prefill (the general one)
+def test_the_scan_index_is_used_only_under_the_pools_lock(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagedkv.step
+
+    manager = make_manager(8, block_size=4)
+    manager.add_sequence("a")
+    checked = pagedkv.step.check_token_pair
+    held: list[bool] = []
+
+    def check_holding_the_lock(*args: Any) -> Any:
+        held.append(manager.pool.lock.locked())
+        return checked(*args)
+
+    monkeypatch.setattr(pagedkv.step, "check_token_pair", check_holding_the_lock)
+    kv = np.ones((tokens, 1, 1))
+    manager.write(0, manager.reserve({"a": tokens}), kv, kv)
+    assert held == [True]
