@@ -172,7 +172,7 @@ def reserve_one(
         if value < 1:
             return None
         count, token_ids = value, None
-    elif value.__class__ is list and len(value) == 1 and one_token_id(value):
+    elif one_token_id(value):
         count, token_ids = 1, value  # only read (note_reserved copies the id)
     else:
         return None
@@ -214,8 +214,12 @@ def reserve_one(
         except PoolExhaustedError:
             return None  # the general path raises it with the pool's numbers
     # ---- validated (and any new block taken): nothing below can fail ----
-    if record.token_ids is not None:  # keying is on for it (off: nothing to note)
-        record.note_reserved(token_ids, None)
+    own = record.token_ids
+    if own is not None:  # keying is on for it (off: nothing to note)
+        if token_ids is None or record.prompt_keys:
+            record.note_reserved(token_ids, None)
+        else:
+            own.append(token_ids[0])  # note_reserved's common case: no prompt keys left to compare
     table.append_token(new_id)
     record.reservation_id = stamp = next(_RESERVATION_IDS)
     record.batch = batch = issue_token_batch(seq_id, num_tokens, block_id * bs + offset, stamp)

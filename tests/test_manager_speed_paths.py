@@ -148,6 +148,20 @@ def test_prompt_keys_stop_where_the_reserved_ids_differ(monkeypatch: pytest.Monk
     manager.check_invariants()
 
 
+def test_prompt_keys_stop_where_ids_reserved_one_at_a_time_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As above, but a token at a time: the decode path of reserve compares each id too.
+    counter = HashCounter(monkeypatch)
+    manager = make(num_blocks=16, block_size=2)
+    manager.add_sequence("a", [1, 2, 3, 4, 5, 6, 7])
+    actual = [1, 2, 3, 9, 5, 6, 7]
+    for token in actual:
+        settle_ids(manager, {"a": [token]})
+        manager.check_invariants()
+    assert counter.num_hashed == 3 + 2
+    cache = prefix_of(manager)
+    assert [cache.key_of(b) for b in manager.block_table("a").block_ids[:3]] == key_chain(actual)
+
+
 def test_a_count_ends_prompt_keys_with_keying(monkeypatch: pytest.MonkeyPatch) -> None:
     manager = make(num_blocks=16, block_size=2)
     manager.add_sequence("a", [1, 2, 3, 4, 5], cache_blocks=False)
