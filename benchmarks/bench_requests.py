@@ -43,7 +43,11 @@ skipped; the batch, state, shape and dtype checks all stay).
 
 Timings: CPU time (``process_time``) of whole samples, medians; the rows take
 turns sample by sample (round-robin, the order rotating each round) so that
-load on this shared machine hits every row alike. The per-call split inside a
+load on this shared machine hits every row alike. The cycle ratios are the
+median over rounds of each round's ratio (the two samples of a round are taken
+back to back, so drifting load cancels). pagedkv's pool is written once
+before timing, as a running engine's is (a fresh pool's pages fault in on
+first write). The per-call split inside a
 sample reads ``perf_counter_ns`` around each call (a vDSO clock, its own cost
 measured and subtracted). BLAS is pinned to one thread (nothing here calls
 it). Nothing here asserts a timing.
