@@ -232,16 +232,17 @@ def run_rounds(rows: dict[str, Sample], repeats: int) -> dict[str, list[dict[str
     return samples
 
 
-def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float]]:
-    """Median of each row's reported values (seconds per unit), rows interleaved round-robin."""
+def row_medians(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Median of each row's reported values (seconds per unit) over its samples."""
     return {
         name: {key: statistics.median(s[key] for s in values) for key in values[0]}
-        for name, values in run_rounds(rows, repeats).items()
+        for name, values in rounds.items()
     }
 
 
-def _median_of(samples: list[dict[str, float]], key: str) -> dict[str, float]:
-    return {key: statistics.median(sample[key] for sample in samples)}
+def run_rows(rows: dict[str, Sample], repeats: int) -> dict[str, dict[str, float]]:
+    """:func:`row_medians` of :func:`run_rounds`: rows interleaved round-robin."""
+    return row_medians(run_rounds(rows, repeats))
 
 
 def paired_ratio(rounds: dict[str, list[dict[str, float]]], name: str, key: str) -> str:
@@ -256,9 +257,12 @@ def paired_ratio(rounds: dict[str, list[dict[str, float]]], name: str, key: str)
     return f"{statistics.median(ratios):.2f}"
 
 
+_PAGED_ROWS = ("pagedkv", "pagedkv trusted")  # the manager by default, and with trusted_inputs=True
+
+
 def _paged_variants() -> list[tuple[str, bool]]:
     """The pagedkv rows: the default manager, and ``trusted_inputs=True`` where the checkout has it."""
-    return [("pagedkv", False)] + ([("pagedkv trusted", True)] if has_trusted_inputs() else [])
+    return [(_PAGED_ROWS[0], False)] + ([(_PAGED_ROWS[1], True)] if has_trusted_inputs() else [])
 
 
 def cycle_rows(vllm: types.SimpleNamespace | None, caching: bool, num_cycles: int) -> dict[str, Sample]:
@@ -457,7 +461,7 @@ def _rate(seconds: float | None) -> str:
 def _cells(medians: dict[str, dict[str, float]], show: Callable[[dict[str, float]], str]) -> str:
     """One table row's cells: vLLM, pagedkv, pagedkv trusted (``-`` where a row was not run)."""
     return " | ".join(
-        show(medians[name]) if name in medians else NONE for name in ("vLLM", "pagedkv", "pagedkv trusted")
+        show(medians[name]) if name in medians else NONE for name in ("vLLM", *_PAGED_ROWS)
     )
 
 
@@ -465,9 +469,6 @@ def _separate_over_batched(medians: dict[str, float]) -> str:
     if "batched reserve" not in medians:
         return NONE
     return f"{medians['separate reserve'] / medians['batched reserve']:.2f}"
-
-
-_PAGED_ROWS = ("pagedkv", "pagedkv trusted")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -504,10 +505,9 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---:|---:|---:|---:|---:|")
         for caching in (False, True):
             rounds = run_rounds(cycle_rows(vllm, caching, args.cycles), args.repeats)
-            medians = {name: _median_of(r, "cycle") for name, r in rounds.items()}
             ratios = " | ".join(paired_ratio(rounds, name, "cycle") for name in _PAGED_ROWS)
             label = "caching on, a miss" if caching else "caching off"
-            print(f"| {label} | {_cells(medians, lambda m: _rate(m['cycle']))} | {ratios} |")
+            print(f"| {label} | {_cells(row_medians(rounds), lambda m: _rate(m['cycle']))} | {ratios} |")
         print("\nTargets (issue 13): >= 1.5 k cycles/s caching off, >= 1.1 k caching on.")
 
         splits = run_rows(split_rows(vllm, clock_ns), args.repeats * 2)

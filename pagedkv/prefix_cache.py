@@ -301,20 +301,20 @@ class PrefixCache:
         """
         block_of, key_of = self._block_of, self._key_of
         stored: list[bool] = []
-        new: dict[int, bytes] = {}  # block id -> key, in order
-        new_keys: set[bytes] = set()
+        new_key_of: dict[int, bytes] = {}
+        new_block_of: dict[bytes, int] = {}
         for block_id, key in zip(block_ids, keys):
-            fresh = block_id is not None and not (
-                key in block_of or key in new_keys or block_id in key_of or block_id in new
-            )
-            if fresh and block_id is not None:
-                new[block_id] = key
-                new_keys.add(key)
-            stored.append(fresh)
-        self._allocator.mark_cached_blocks(list(new))
+            taken = key in block_of or key in new_block_of or block_id in key_of or block_id in new_key_of
+            if block_id is None or taken:
+                stored.append(False)
+                continue
+            new_key_of[block_id] = key
+            new_block_of[key] = block_id
+            stored.append(True)
+        self._allocator.mark_cached_blocks(list(new_key_of))
         # ---- validated ----
-        key_of.update(new)
-        block_of.update(zip(new.values(), new))
+        key_of.update(new_key_of)
+        block_of.update(new_block_of)
         return stored
 
     def forget(self, block_id: int) -> None:

@@ -41,7 +41,7 @@ def write_layer(
     batch: Batch,
     keys: Any,
     values: Any,
-    scan_index: npt.NDArray[np.intp] | None = None,
+    scan_index: npt.NDArray[np.intp],
 ) -> None:
     """Store one layer's k/v for every token of ``batch`` (the caller holds ``pool.lock``).
 

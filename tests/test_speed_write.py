@@ -10,6 +10,8 @@ pages, written counts, key bounds and prefix keys must agree.
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
+import pagedkv.step
 from pagedkv import KVCacheManager
 from pagedkv.batch import Batch, issue_token_batch, token_slot
 from pagedkv.errors import NonFiniteError, PagedKVError, SequenceStateError, ShapeError
@@ -216,9 +219,6 @@ def test_two_threads_writing_at_once_each_get_their_own_verdict() -> None:
     a no-op this test failed in 3 of 10 runs (a race is a matter of timing);
     the next test catches that mutation every time.
     """
-    import sys
-    import threading
-
     manager = make_manager(512, block_size=16, head_dim=4)
     for seq_id in ("nan", "good"):
         manager.add_sequence(seq_id)
@@ -268,8 +268,6 @@ def test_two_threads_writing_at_once_each_get_their_own_verdict() -> None:
 def test_the_scan_index_is_used_only_under_the_pools_lock(
     tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pagedkv.step
-
     manager = make_manager(8, block_size=4)
     manager.add_sequence("a")
     checked = pagedkv.step.check_token_pair
