@@ -30,11 +30,9 @@ from pagedkv.batch import Batch
 from pagedkv.inputs import check_score_bound_from_max, check_tokens
 from pagedkv.paged_attention import attend_sequence
 from pagedkv.pool import KVPool
-from pagedkv.sequence import SequenceRegistry, SequenceState
+from pagedkv.sequence import RUNNING, SequenceRegistry
 
 __all__ = ["attend_one_sequence"]
-
-_RUNNING = SequenceState.RUNNING
 
 
 def attend_one_sequence(
@@ -87,7 +85,7 @@ def attend_one_sequence(
     if len(seq_ids) != 1:
         return None
     record = records.get(seq_ids[0])
-    if record is None or record.batch is not batch or record.state is not _RUNNING:
+    if record is None or record.batch is not batch or record.state is not RUNNING:
         return None
     table = record.table
     if record.num_written[layer] != table.num_tokens:

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.errors import InputTypeError, SequenceStateError
-from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState
+from pagedkv.sequence import RUNNING, SequenceRecord, SequenceRegistry
 
 __all__ = [
     "Batch",
@@ -279,7 +279,7 @@ def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecor
     get = records.get
     for seq_id in batch.seq_ids if batch.__class__ is Batch else ():
         record = get(seq_id)
-        if record is None or record.batch is not batch or record.state is not SequenceState.RUNNING:
+        if record is None or record.batch is not batch or record.state is not RUNNING:
             return _diagnose(records, batch)
         found.append(record)
     if not found:
@@ -294,7 +294,7 @@ def _diagnose(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
     found = []
     for seq_id, stamp in zip(batch.seq_ids, batch.reservation_ids):
         record = records.get(seq_id)
-        if record is None or record.reservation_id != stamp or record.state is not SequenceState.RUNNING:
+        if record is None or record.reservation_id != stamp or record.state is not RUNNING:
             raise SequenceStateError(
                 f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
                 "freed, preempted or reserved again); reserve again (cancel_reservation() "

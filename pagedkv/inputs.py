@@ -40,6 +40,10 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # A margin below the dtype's maximum: a softmax-weighted sum of values (and
 # a partial sum inside a matmul) must not overflow even after rounding.
 _LIMITS = {dtype: float(np.finfo(dtype).max) / 16 for dtype in FLOAT_DTYPES}
+# NOTE: a decode write finds float32's limit by dtype identity (numpy's builtin
+# dtypes are singletons): the dict lookup hashes the dtype on every call.
+_FLOAT32 = FLOAT_DTYPES[0]
+_FLOAT32_LIMIT = _LIMITS[_FLOAT32]
 
 
 def value_limit(dtype: np.dtype[Any]) -> float:
@@ -66,8 +70,9 @@ def largest_magnitude(value: npt.NDArray[Any], dtype: np.dtype[Any]) -> float | 
     >>> largest_magnitude(np.array([1.0, np.nan]), np.dtype(np.float64)) is None
     True
     """
-    high = value.item(value.argmax())
-    low = value.item(value.argmin())
+    flat = value.ravel()  # (size,): argmax over no axis would ravel it once per call
+    high = flat.item(flat.argmax())
+    low = flat.item(flat.argmin())
     limit = _LIMITS.get(dtype) or value_limit(dtype)
     if high <= limit and -low <= limit:  # False for a NaN
         return float(high if high >= -low else -low)
@@ -306,18 +311,20 @@ def check_token_pair(
     ):
         if not scan:
             return keys, values, 0.0
-        # NOTE: largest_magnitude's rule, inlined: two calls of it measured
-        # 48.6k -> 50.2k instructions a decode reserve + write (callgrind).
-        # With ``out=index`` numpy allocates no result array: the four calls
-        # cost about 300 ns less a decode write (benchmarks/bench_requests.py).
+        # NOTE: largest_magnitude's rule, inlined (a call of it per side costs
+        # more than its lines). Each side is raveled once: ``argmax`` over no
+        # axis ravels its array itself, a new array object every call (a copy
+        # of a strided one). With ``out=index`` no result array is allocated.
         if index is None:
             index = np.empty((), np.intp)
-        limit = _LIMITS.get(dtype) or value_limit(dtype)
-        high = keys.item(keys.argmax(None, index))
-        low = keys.item(keys.argmin(None, index))
+        limit = _FLOAT32_LIMIT if dtype is _FLOAT32 else value_limit(dtype)
+        flat = keys.ravel()  # (num_tokens * num_kv_heads * head_dim,)
+        high = flat.item(flat.argmax(None, index))
+        low = flat.item(flat.argmin(None, index))
         if high <= limit and -low <= limit:  # False for a NaN
-            value_high = values.item(values.argmax(None, index))
-            value_low = values.item(values.argmin(None, index))
+            flat = values.ravel()
+            value_high = flat.item(flat.argmax(None, index))
+            value_low = flat.item(flat.argmin(None, index))
             if value_high <= limit and -value_low <= limit:
                 return keys, values, high if high >= -low else -low
     key_array, largest = check_tokens("keys", keys, dtype, expected, scan)

@@ -25,7 +25,7 @@ from pagedkv.reservation import (
     plan_steps,
     resolve_requests,
 )
-from pagedkv.sequence import SequenceRecord, SequenceRegistry, SequenceState
+from pagedkv.sequence import RUNNING, SequenceRecord, SequenceRegistry
 
 __all__ = ["commit_reservation", "commit_step", "reserve_one", "reserve_requests"]
 
@@ -183,7 +183,7 @@ def reserve_one(
     table = record.table
     num_tokens = table.num_tokens
     num_written = record.num_written
-    if record.state is not SequenceState.RUNNING or num_written[-1] != num_tokens or (
+    if record.state is not RUNNING or num_written[-1] != num_tokens or (
         len(num_written) > 1 and min(num_written) != num_tokens
     ):
         return None

@@ -29,6 +29,7 @@ from pagedkv.errors import (
 )
 
 __all__ = [
+    "RUNNING",
     "ManagerState",
     "RecordState",
     "SequenceHolder",
@@ -47,6 +48,12 @@ class SequenceState(enum.Enum):
     PREEMPTED = "preempted"  #: freed for recompute; the caller re-feeds its tokens
     SWAPPED = "swapped"  #: copied to the host pool
 
+
+#: ``SequenceState.RUNNING`` as a module global, for the checks every decode makes.
+#: NOTE: CPython 3.11 does not specialize reading an attribute off a class
+#: with a metaclass, so ``SequenceState.RUNNING`` costs several times a global
+#: read; ``reserve`` and ``write`` each compare a record's state once a token.
+RUNNING = SequenceState.RUNNING
 
 @dataclass(frozen=True, slots=True)
 class RecordState:

@@ -26,7 +26,7 @@ from pagedkv.inputs import check_score_bound_from_max, check_token_pair, check_t
 from pagedkv.paged_attention import attend_batch, attend_sequence
 from pagedkv.pool import KVPool
 from pagedkv.prefix_sharing import PrefixSharing
-from pagedkv.sequence import SequenceRegistry, SequenceState
+from pagedkv.sequence import RUNNING, SequenceRegistry
 
 __all__ = ["attend_layer", "write_layer"]
 
@@ -72,7 +72,7 @@ def write_layer(
         if (
             record is not None
             and record.batch is batch
-            and record.state is SequenceState.RUNNING
+            and record.state is RUNNING
             and record.num_written[layer] == position
         ):
             key_array, value_array, largest_key = check_token_pair(
