@@ -31,8 +31,9 @@ storage: pagedkv's pool holds ``(1 head, head_dim 8)`` float32 per token and
   every prompt new (a miss; vLLM hashes with sha256 over pickle, pagedkv with
   sha256 over packed int64, both every full block);
 * one decode call: the per-call split of the cycle's decodes (median of
-  samples of 128 calls), with the copy alone (``pool.write_token`` of one token, what ``write`` calls)
-  measured apart so that "reserve + write - copy" is the bookkeeping;
+  samples of 128 calls), with the copy alone (``pool.write_token`` of one
+  token's flat row, what ``write`` calls) measured apart so that "reserve +
+  write - copy" is the bookkeeping;
 * admission: the cycle's admission alone, caching off;
 * a decode step of 64 sequences (128-token prompts): 64 separate calls versus
   one ``reserve`` of all 64 (and one ``write``).
@@ -341,14 +342,14 @@ def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str,
             manager.write(0, batch, paged.kv[PROMPT], paged.kv[PROMPT])
             reserve = write = copy = 0.0
             spare_slot = (NUM_BLOCKS - 1) * BLOCK_SIZE + 3  # a block nobody reads
-            copy_one = _copy_of_one_token(pool)
+            copy_one = _copy_of_one_token(pool, kv)
             for _ in range(NUM_DECODES):
                 t0 = clock()
                 batch = manager.reserve({seq_id: 1})
                 t1 = clock()
                 manager.write(0, batch, kv, kv)
                 t2 = clock()
-                copy_one(spare_slot, kv)
+                copy_one(spare_slot)
                 t3 = clock()
                 reserve += t1 - t0 - clock_ns
                 write += t2 - t1 - clock_ns
@@ -366,11 +367,15 @@ def split_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str,
     return rows
 
 
-def _copy_of_one_token(pool: KVPool) -> Callable[[int, Any], None]:
-    """The copy a decode ``write`` makes, alone (``write_one`` on checkouts older than ``write_token``)."""
+def _copy_of_one_token(pool: KVPool, kv: Any) -> Callable[[int], None]:
+    """The copy a decode ``write`` makes, alone: ``write_token`` of the token's flat row.
+
+    ``write_one`` on checkouts older than ``write_token``.
+    """
     if hasattr(pool, "write_token"):
-        return lambda slot, kv: pool.write_token(0, slot, kv, kv)
-    return lambda slot, kv: pool.write_one(0, *divmod(slot, BLOCK_SIZE), kv[0], kv[0])
+        row = kv.reshape(-1)  # (num_kv_heads * head_dim,): what ``write`` hands over
+        return lambda slot: pool.write_token(0, slot, row, row)
+    return lambda slot: pool.write_one(0, *divmod(slot, BLOCK_SIZE), kv[0], kv[0])
 
 
 def step_rows(vllm: types.SimpleNamespace | None, clock_ns: float) -> dict[str, Sample]:

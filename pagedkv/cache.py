@@ -385,8 +385,7 @@ class KVCache:
         slot = table.num_tokens % self._block_size
         table.append_token(self._take_block(pool) if num_new else None)
         slot += table.last_block_id * self._block_size
-        heads = (pool.num_kv_heads, pool.head_dim)
-        pool.write_token(0, slot, key.reshape(heads), value.reshape(heads))
+        pool.write_token(0, slot, key.reshape(-1), value.reshape(-1))
 
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)

@@ -275,6 +275,7 @@ def check_token_pair(
     expected: tuple[int, int, int],
     scan: bool = True,
     index: npt.NDArray[np.intp] | None = None,
+    flat: bool = False,
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], float]:
     """:func:`check_tokens` of a write's ``keys`` and ``values`` in one call: both arrays, and max |key|.
 
@@ -293,6 +294,9 @@ def check_token_pair(
             passes its own, used only under the pool's lock: another thread
             writing it between an ``argmax`` and its ``item`` would point the
             check at the wrong value). None: a fresh one.
+        flat: return both arrays raveled, ``(prod(expected),)`` in C order
+            (views where the inputs are contiguous: the ones the scan read),
+            as ``PageStore.write_token`` takes one token.
 
     Raises:
         InputTypeError, NonFiniteError, ShapeError: as :func:`as_tokens`.
@@ -310,7 +314,7 @@ def check_token_pair(
         and values.shape == expected
     ):
         if not scan:
-            return keys, values, 0.0
+            return (keys.ravel(), values.ravel(), 0.0) if flat else (keys, values, 0.0)
         # NOTE: largest_magnitude's rule, inlined (a call of it per side costs
         # more than its lines). Each side is raveled once: ``argmax`` over no
         # axis ravels its array itself, a new array object every call (a copy
@@ -318,17 +322,20 @@ def check_token_pair(
         if index is None:
             index = np.empty((), np.intp)
         limit = _FLOAT32_LIMIT if dtype is _FLOAT32 else value_limit(dtype)
-        flat = keys.ravel()  # (num_tokens * num_kv_heads * head_dim,)
-        high = flat.item(flat.argmax(None, index))
-        low = flat.item(flat.argmin(None, index))
+        flat_keys = keys.ravel()  # (num_tokens * num_kv_heads * head_dim,)
+        high = flat_keys.item(flat_keys.argmax(None, index))
+        low = flat_keys.item(flat_keys.argmin(None, index))
         if high <= limit and -low <= limit:  # False for a NaN
-            flat = values.ravel()
-            value_high = flat.item(flat.argmax(None, index))
-            value_low = flat.item(flat.argmin(None, index))
+            flat_values = values.ravel()
+            value_high = flat_values.item(flat_values.argmax(None, index))
+            value_low = flat_values.item(flat_values.argmin(None, index))
             if value_high <= limit and -value_low <= limit:
-                return keys, values, high if high >= -low else -low
+                largest = high if high >= -low else -low
+                return (flat_keys, flat_values, largest) if flat else (keys, values, largest)
     key_array, largest = check_tokens("keys", keys, dtype, expected, scan)
     value_array, _ = check_tokens("values", values, dtype, expected, scan)
+    if flat:
+        return key_array.ravel(), value_array.ravel(), largest
     return key_array, value_array, largest
 
 

@@ -49,7 +49,7 @@ class PageStore:
           ``(num_blocks, block_size, num_kv_heads, head_dim)`` for every layer;
         * a side stored with scales has ``(num_blocks, block_size,
           num_kv_heads, num_groups)`` scales per layer, any other side none;
-        * unquantized, ``_token_rows[layer]`` are ``(num_slots, H, d)`` views
+        * unquantized, ``_token_rows[layer]`` are ``(num_slots, H * d)`` views
           of that layer's current key and value pages (``write_token`` copies
           into them), rebuilt whenever the pages are replaced.
     """
@@ -301,21 +301,25 @@ class PageStore:
         value: npt.NDArray[np.floating],
     ) -> None:
         """Store one token's ``key``/``value`` ``(num_kv_heads, head_dim)`` (quantizing them)."""
-        self.write_token(layer, block_id * self.block_size + offset, key, value)
+        self.write_token(layer, block_id * self.block_size + offset, key.reshape(-1), value.reshape(-1))
 
     def write_token(
         self, layer: int, slot: int, key: npt.NDArray[np.floating], value: npt.NDArray[np.floating]
     ) -> None:
-        """Store one token's ``key`` and ``value`` at ``slot``: each ``(H, d)`` or ``(1, H, d)``.
+        """Store one token's ``key`` and ``value`` at ``slot``, each a flat ``(num_kv_heads * head_dim,)``.
 
-        NOTE: the decode ``write`` of every layer ends here: an int index into
-        the ``(num_slots, H, d)`` view of each side is the cheapest copy numpy
-        has for one row (about half of a ``[block_id, offset]`` index).
+        NOTE: the decode ``write`` of every layer ends here. A flat row into
+        the ``(num_slots, H * d)`` view of each side is the cheapest copy numpy
+        has for one token: an ``(H, d)`` row costs about twice the
+        instructions (numpy lines up the shapes first), a ``[block_id,
+        offset]`` index more again. ``write`` scans the values through flat
+        views anyway (``check_token_pair``), so it hands those over.
         """
         rows = self._token_rows
         if rows is None:  # quantized: codes and scales
             slots = np.array([slot], np.intp)
-            self.write(layer, slots, key.reshape(1, *key.shape[-2:]), value.reshape(1, *value.shape[-2:]))
+            shape = (1, self.num_kv_heads, self.head_dim)
+            self.write(layer, slots, key.reshape(shape), value.reshape(shape))
             return
         key_rows, value_rows = rows[layer]
         key_rows[slot] = key
@@ -366,10 +370,10 @@ class PageStore:
                 array[: len(block_ids)] = array[block_ids]
 
     def _flat_rows(self) -> list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] | None:
-        """Each layer's keys and values as ``(num_slots, H, d)`` views (None when quantized)."""
+        """Each layer's keys and values as ``(num_slots, H * d)`` views (None when quantized)."""
         if self.quantized:
             return None
-        flat = (-1, self.num_kv_heads, self.head_dim)
+        flat = (-1, self.num_kv_heads * self.head_dim)
         return [(keys.reshape(flat), values.reshape(flat)) for keys, values in zip(self._keys, self._values)]
 
     def _groups(self) -> tuple[list[npt.NDArray[Any]], ...]:

@@ -75,11 +75,11 @@ def write_layer(
             and record.state is RUNNING
             and record.num_written[layer] == position
         ):
-            key_array, value_array, largest_key = check_token_pair(
-                keys, values, pool.dtype, pool.token_shape, not trusted_inputs, scan_index
+            key_row, value_row, largest_key = check_token_pair(
+                keys, values, pool.dtype, pool.token_shape, not trusted_inputs, scan_index, True
             )
             # ---- validated ----
-            pool.write_token(layer, slot, key_array, value_array)
+            pool.write_token(layer, slot, key_row, value_row)
             if largest_key > max_abs_key[layer]:
                 max_abs_key[layer] = largest_key
             end = record.num_written[layer] = position + 1
@@ -103,7 +103,7 @@ def write_layer(
     pieces = issued_slots(batch)
     slot = pieces[0]
     if expected[0] == 1 and isinstance(slot, int):  # one token: copied by its slot
-        pool.write_token(layer, slot, key_array, value_array)
+        pool.write_token(layer, slot, key_array.ravel(), value_array.ravel())
     elif len(pieces) == 1 and isinstance(slot, SlotRun) and not pool.quantized:  # a prefill: by blocks
         pool.write_run(layer, slot.block_ids, slot.offset, key_array, value_array)
     else:
