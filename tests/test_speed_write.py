@@ -200,13 +200,42 @@ def test_the_pair_check_is_two_token_checks(
         checked = check_token_pair(key_array, value_array, dtype, shape, scan, index)
         return checked[0].tobytes(), checked[1].tobytes(), checked[2]
 
+    def paired_flat() -> Any:  # the decode write's call: flat rows, the very memory the scan read
+        checked = check_token_pair(key_array, value_array, dtype, shape, scan, index, True)
+        assert checked[0].shape == checked[1].shape == (4,)
+        assert np.shares_memory(checked[0], key_array) and np.shares_memory(checked[1], value_array)
+        return checked[0].tobytes(), checked[1].tobytes(), checked[2]
+
     results = []
-    for run in (separate, paired, paired_into_index, paired_into_index):
+    for run in (separate, paired, paired_into_index, paired_into_index, paired_flat):
         try:
             results.append(run())
         except PagedKVError as error:
             results.append((type(error), str(error)))
-    assert results[0] == results[1] == results[2] == results[3]
+    assert results[0] == results[1] == results[2] == results[3] == results[4]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: a[:, :, ::-1],  # strided: the fast path's ravel copies
+        lambda a: a.astype(np.float64),  # another dtype: the general path converts
+        lambda a: a.tolist(),  # lists: the general path
+    ],
+    ids=["strided", "float64", "lists"],
+)
+@pytest.mark.parametrize("scan", [True, False])
+def test_flat_rows_are_the_tokens_in_c_order_whatever_the_input(make: Any, scan: bool) -> None:
+    shape = (1, 2, 3)
+    keys = np.arange(6, dtype=np.float32).reshape(shape)
+    values = -keys
+    flat_keys, flat_values, _ = check_token_pair(
+        make(keys), make(values), np.dtype(np.float32), shape, scan, None, True
+    )
+    expected = make(keys)
+    assert flat_keys.dtype == flat_values.dtype == np.float32
+    assert flat_keys.tolist() == np.asarray(expected, np.float32).ravel().tolist()
+    assert flat_values.tolist() == (-np.asarray(expected, np.float32)).ravel().tolist()
 
 
 def test_two_threads_writing_at_once_each_get_their_own_verdict() -> None:
