@@ -75,7 +75,7 @@ def write_layer(
             and record.state is RUNNING
             and record.num_written[layer] == position
         ):
-            key_row, value_row, largest_key = check_token_pair(
+            key_row, value_row, largest_key = check_token_pair(  # flat rows, as write_token takes them
                 keys, values, pool.dtype, pool.token_shape, not trusted_inputs, scan_index, True
             )
             # ---- validated ----
