@@ -175,6 +175,27 @@ class BlockAllocator(CachedBlockMarks):
         """
         return self._ref_counts[block_id] > 1
 
+    def must_copy_before_append(self, block_id: int, num_dropped: int = 0) -> bool:
+        """Whether an append into ``block_id``, a table's partly filled last block, must copy it first.
+
+        It must when another table holds it (copy-on-write), or when it is
+        cached: a prefix key promises the block's full contents to every
+        later hit, so a keyed block is never written, even by its only
+        holder (a table ``truncate`` cut into it while others held it full).
+        ``num_dropped`` references are not counted: a reservation's plan
+        drops them earlier in the same step. The id is not checked (as
+        ``is_shared``).
+
+        >>> alloc = BlockAllocator(2)
+        >>> block_id = alloc.allocate_one()
+        >>> alloc.must_copy_before_append(block_id)
+        False
+        >>> alloc.mark_cached(block_id)
+        >>> alloc.must_copy_before_append(block_id)
+        True
+        """
+        return self._ref_counts[block_id] - num_dropped > 1 or block_id in self._cached
+
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``.
 

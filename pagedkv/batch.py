@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, NamedTuple, Union, overload
+from typing import Any, NamedTuple, NoReturn, Union, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.errors import InputTypeError, SequenceStateError
+from pagedkv.errors import InputTypeError, ReadOnlyArrayError, SequenceStateError
 from pagedkv.sequence import RUNNING, SequenceRecord, SequenceRegistry
 
 __all__ = [
@@ -65,8 +65,45 @@ class SlotRun(NamedTuple):
 SlotPiece = Union[int, SlotRun]  # noqa: UP007 (a runtime alias: py3.10 has no `int | NamedTuple`)
 
 
+class _ReservedArray(np.ndarray):
+    """A :class:`Batch` array: read-only, and an edit in place raises :class:`ReadOnlyArrayError`.
+
+    numpy itself refuses the edit with a bare ``ValueError``; this subclass
+    only names what was refused. Arithmetic on it gives plain arrays.
+    """
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if not self.flags.writeable:
+            _refuse_edit(f"[{index!r}] = {value!r}")
+        super().__setitem__(index, value)
+
+    def fill(self, value: Any) -> None:
+        if not self.flags.writeable:
+            _refuse_edit(f".fill({value!r})")
+        super().fill(value)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out")
+        if out is not None:
+            if any(isinstance(target, _ReservedArray) and not target.flags.writeable for target in out):
+                _refuse_edit(f"an in-place {ufunc.__name__}")
+            kwargs["out"] = tuple(_plain(target) for target in out)
+        return getattr(ufunc, method)(*(_plain(value) for value in inputs), **kwargs)
+
+
+def _plain(value: Any) -> Any:
+    return value.view(np.ndarray) if isinstance(value, _ReservedArray) else value
+
+
+def _refuse_edit(edit: str) -> NoReturn:
+    raise ReadOnlyArrayError(
+        f"a Batch's arrays are read-only (they are the slots reserve() handed out), got {edit}; "
+        "reserve again for other slots, or compute on a copy: np.array(batch.slot_mapping)"
+    )
+
+
 def _read_only(value: Any) -> npt.NDArray[np.int64]:
-    """A read-only view of a read-only array of ``value``.
+    """A read-only view (a ``_ReservedArray``) of a read-only array of ``value``.
 
     NOTE: neither the view's nor its base's flags can be turned writable
     again, so the slots the manager handed out cannot be edited in place
@@ -75,7 +112,7 @@ def _read_only(value: Any) -> npt.NDArray[np.int64]:
     array = np.asarray(value)
     if array.flags.writeable:
         array.flags.writeable = False
-    view: npt.NDArray[np.int64] = array.view()
+    view: npt.NDArray[np.int64] = array.view(_ReservedArray)
     view.flags.writeable = False
     return view
 
@@ -111,7 +148,7 @@ class _ReadOnlyArray:
             value = stored[self._name]
         except KeyError:  # a decode batch: its fields are made when first read
             value = batch.__getattr__(self._name)
-        if value.__class__ is not np.ndarray:
+        if value.__class__ is not _ReservedArray:
             value = stored[self._name] = _read_only(self._from_ints(value))
         return value
 
@@ -161,8 +198,10 @@ class Batch:
             again) is refused, and so is any batch but the very object
             ``reserve`` returned (a copy, or one built by hand).
 
-    The arrays are read-only, and made when first read (see
-    ``_ReadOnlyArray``); built by hand they take arrays or ints.
+    The arrays are read-only (an edit in place raises
+    :class:`~pagedkv.errors.ReadOnlyArrayError`, also a ``ValueError``), and
+    made when first read (see ``_ReadOnlyArray``); built by hand they take
+    arrays or ints.
     """
 
     seq_ids: tuple[Hashable, ...]

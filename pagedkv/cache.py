@@ -269,7 +269,12 @@ class KVCache:
             InputTypeError, ShapeError, NonFiniteError: bad ``q``, ``k`` or ``v``.
             PoolExhaustedError: a shared pool has no free block for the entry.
 
-        On any error the cache and its pool are exactly as before the call.
+        On any error the cache and its pool are as before the call. A view the
+        kernel refuses is no error (the read gathers, with the same output); if
+        the attention itself fails after the append, the append is undone
+        (the new block, if one was taken, goes back to the free queue's tail),
+        except after an append that evicted whole blocks: those may already
+        belong to another cache, so the cache keeps the append and re-raises.
         """
         if self._closed:
             raise ClosedCacheError("this KVCache is closed; create a new one")
@@ -281,6 +286,9 @@ class KVCache:
         bound = max(self._max_abs_key, key_abs)
         check_score_bound_from_max(self._scale, query, query_abs, bound, self._dtype)
 
+        table = self._table
+        before = (table.num_tokens, table.window_start, table.first_block_index, table.num_blocks,
+                  self._kv_shape, self._max_abs_key)
         if self._private or self._pool is None:
             self._append(key, value, key_abs)
         else:
@@ -289,7 +297,11 @@ class KVCache:
         pool = self._pool
         assert pool is not None
         queries = query.reshape(1, -1, pool.head_dim)  # (1 new token, num_q_heads, head_dim)
-        out = attend_sequence(pool, 0, self._table, self._max_size, queries, self._scale)
+        try:
+            out = attend_sequence(pool, 0, table, self._max_size, queries, self._scale)
+        except BaseException:
+            self._undo_append(pool, *before)
+            raise
         out = out.reshape(query.shape)
         return out.tolist() if q_is_list else like_input(q, out)
 
@@ -387,6 +399,32 @@ class KVCache:
         slot += table.last_block_id * self._block_size
         pool.write_token(0, slot, key.reshape(-1), value.reshape(-1))
 
+    def _undo_append(
+        self, pool: KVPool, num_tokens: int, window_start: int, first_block: int, num_blocks: int,
+        kv_shape: tuple[int, ...] | None, max_abs_key: float,
+    ) -> None:
+        """Take back the token ``_append`` just added (its attention failed); see ``attend``.
+
+        Exact when no whole block was evicted: the table gets its counts back
+        and gives up the block the append took, if any. An append that
+        evicted blocks has freed them to the pool, where another cache may
+        already hold them, so it is kept.
+        """
+        table = self._table
+        if table.first_block_index != first_block:  # blocks were evicted and freed
+            return
+        state = table._export_state()
+        window_ids = state.window_ids
+        new_block = window_ids.pop() if table.num_blocks > num_blocks else None
+        table._restore_state(type(state)(num_tokens, window_start, first_block, state.sink_ids, window_ids))
+        if new_block is not None:
+            if self._private:
+                pool.allocator.free([new_block])
+            else:
+                with pool.lock:
+                    pool.allocator.free([new_block])
+        self._kv_shape, self._max_abs_key = kv_shape, max_abs_key
+
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)
         if not self._private:
@@ -447,9 +485,13 @@ class KVCache:
         if self._pool is None or self._kv_shape is None or len(self) == 0:
             shape = (0, *self._kv_shape) if self._kv_shape is not None else (0, 0)
             return np.empty(shape, self._dtype)
-        keys, values = self._pool.gather(0, self._table.read_plan())
+        keys, values = self._pool.gather(0, self._table.read_plan())  # (H, len, d) views
         chosen = keys if which == 0 else values
-        return np.ascontiguousarray(chosen.transpose(1, 0, 2)).reshape(len(self), *self._kv_shape)
+        # NOTE: always a copy: the gather is a view of the storage (a run) or
+        # of the pool's scratch, which the next attend or gather overwrites.
+        # np.ascontiguousarray would return that view unchanged when H == 1.
+        tokens = np.array(chosen.transpose(1, 0, 2), order="C", copy=True)  # (len, H, d)
+        return tokens.reshape(len(self), *self._kv_shape)
 
     # ------------------------------------------------------- internal hooks
 

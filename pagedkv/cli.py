@@ -1,6 +1,7 @@
 """The ``pagedkv`` command line: ``pagedkv demo`` and friends.
 
-Exit status: 0 on success, 1 when a check found a failure, 2 on bad usage.
+Exit status: 0 on success, 1 when a check found a failure, 2 on bad usage,
+130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -381,10 +382,18 @@ def _add_check_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The argument parser, and each subcommand's own parser by name."""
+    from pagedkv import __version__
+
     parser = argparse.ArgumentParser(
         prog="pagedkv",
         description="A paged key/value cache for transformer attention.",
     )
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo", help="stream tokens through windowed caches; verify every output"
@@ -397,17 +406,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     _add_study_parsers(commands)
     _add_check_parser(commands)
-    return parser
+    return parser, dict(commands.choices)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the command line; return the exit status (130 after Ctrl-C, with one line on stderr)."""
+    parser, commands = _build_parsers()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # NOTE: argparse reports a subcommand's unknown flags from the top-level parser, with
+        # "usage: pagedkv [-h] COMMAND ..."; the subcommand's own usage says which flags it takes.
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
-    status: int = args.run(args)
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        # A progress bar may have left its line open on a terminal: end it first.
+        start = "\n" if sys.stderr.isatty() else ""
+        print(f"{start}pagedkv {args.command}: interrupted", file=sys.stderr)
+        return 130
     return status
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "PagedKVError",
     "PoolExhaustedError",
     "PoolTooLargeError",
+    "ReadOnlyArrayError",
     "SequenceStateError",
     "ShapeError",
     "SnapshotError",
@@ -123,6 +124,10 @@ class DuplicateSequenceError(PagedKVError, ValueError):
 
 class SequenceStateError(PagedKVError, RuntimeError):
     """A sequence is in the wrong state for the operation (preempted, empty, unreserved...)."""
+
+
+class ReadOnlyArrayError(PagedKVError, ValueError):
+    """A read-only array pagedkv hands out (a ``Batch``'s ``slot_mapping`` or ``query_start``) was edited."""
 
 
 class SnapshotError(PagedKVError, ValueError):

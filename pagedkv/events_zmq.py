@@ -8,10 +8,17 @@ at their default left out — as a three-part ZMQ message on a PUB socket::
 
     [topic (utf-8), sequence number (8 bytes, big-endian), payload]
 
-The last ``buffer_steps`` batches are kept for replay: a subscriber that
-missed some sends ``[b"", start sequence number]`` from a DEALER socket to
-the replay (ROUTER) endpoint and gets every kept batch from there on, as
+Sequence numbers start at 0 and grow by one per batch, so a subscriber sees
+a gap. The last ``buffer_steps`` batches are kept for replay: a subscriber
+that missed some sends ``[b"", start sequence number]`` from a DEALER socket
+to the replay (ROUTER) endpoint and gets every kept batch from there on, as
 ``[b"", topic, seq, payload]``, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
+When the batches it asked for are no longer kept (the first replayed is past
+its start), the publisher calls ``resync`` (pass the manager's
+``kv_events.request_resync``): the next batch published starts with
+``AllBlocksCleared`` and stores every keyed block, so the subscriber drops
+what it knew and takes that. A buffer overflow upstream resyncs the same way,
+in band: the wire carries a resync as ordinary events.
 
 Unlike vLLM's, this publisher sends from the caller's thread (a PUB socket
 never blocks: at its high-water mark ZMQ drops), and serves waiting replay
@@ -25,7 +32,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from functools import cache
 from types import ModuleType
@@ -104,7 +111,8 @@ class ZmqEventPublisher:
 
     Invariants:
         * sequence numbers start at 0 and grow by one per published batch;
-        * at most ``buffer_steps`` batches are kept for replay, the newest.
+        * at most ``buffer_steps`` batches are kept for replay, the newest;
+        * a replay request from before the oldest kept batch calls ``resync``.
 
     Args:
         endpoint: where the PUB socket binds (``"tcp://*:5557"``, vLLM's default).
@@ -112,6 +120,8 @@ class ZmqEventPublisher:
         topic: the first frame of every message.
         buffer_steps: batches kept for replay.
         data_parallel_rank: written into every batch (vLLM's field), or None.
+        resync: called when a replay cannot fill a subscriber's gap
+            (``manager.kv_events.request_resync``), or None.
 
     Raises:
         InputTypeError, ConfigError: a bad argument.
@@ -126,10 +136,15 @@ class ZmqEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         data_parallel_rank: int | None = None,
+        resync: Callable[[], None] | None = None,
     ) -> None:
         for name, value in (("endpoint", endpoint), ("topic", topic)):
             if not isinstance(value, str):
                 raise InputTypeError(f"{name} must be a str, got {value!r}")
+        if resync is not None and not callable(resync):
+            raise InputTypeError(
+                f"resync must be a callable (kv_events.request_resync) or None, got {resync!r}"
+            )
         self.buffer_steps = check_count("buffer_steps", buffer_steps)
         zmq = _load("zmq")
         _wire()
@@ -146,6 +161,9 @@ class ZmqEventPublisher:
         self._topic = topic.encode("utf-8")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         self._data_parallel_rank = data_parallel_rank
+        self._resync = resync
+        #: Replay requests that asked for batches no longer kept (each called ``resync``).
+        self.num_replay_gaps = 0
         #: The sequence number the next batch gets.
         self.next_seq = 0
 
@@ -191,6 +209,11 @@ class ZmqEventPublisher:
                 continue  # not a replay request: ignored, as vLLM does
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            oldest_seq = self._buffer[0][0] if self._buffer else self.next_seq
+            if start_seq < oldest_seq:  # batches lost for good: only a resync repairs the subscriber
+                self.num_replay_gaps += 1
+                if self._resync is not None:
+                    self._resync()
             for seq, payload in self._buffer:
                 if seq >= start_seq:
                     replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))

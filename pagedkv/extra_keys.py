@@ -82,17 +82,22 @@ def encode_extra_keys(extra_keys: ExtraKeys | None) -> bytes:
 
     Raises:
         ConfigError: an unknown kind, or an item's offset < 0 or length < 1.
-        InputTypeError: a value of another type.
+        InputTypeError: not a mapping, a kind that is not a str, or a value of another type.
 
     >>> encode_extra_keys({"salt": "a"}) != encode_extra_keys({"adapter": "a"})
     True
     """
     if not extra_keys:
         return b""
-    parts, items = [], b""
-    for kind in sorted(extra_keys):
+    if not isinstance(extra_keys, Mapping):
+        raise InputTypeError(f"extra_keys must be a dict of kind to value, got {extra_keys!r}")
+    for kind in extra_keys:  # before sorting: kinds of mixed types cannot be sorted
+        if not isinstance(kind, str):
+            raise InputTypeError(f"extra key kind must be a str, one of {EXTRA_KEY_KINDS}, got {kind!r}")
         if kind not in EXTRA_KEY_KINDS:
             raise ConfigError(f"extra key kind must be one of {EXTRA_KEY_KINDS}, got {kind!r}")
+    parts, items = [], b""
+    for kind in sorted(extra_keys):
         value = extra_keys[kind]
         if kind == "multimodal" and isinstance(value, (list, tuple)):
             items = _items(value)

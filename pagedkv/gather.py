@@ -63,11 +63,15 @@ def gather(keys: Array, values: Array, plan: ReadPlan, scratch: Scratch) -> tupl
 
     Views of the storage for a run, views of this thread's ``scratch`` otherwise.
 
+    Raises:
+        UnknownBlockError: the plan names a block (or slot) past the pages' end.
+
     >>> keys = np.arange(8.0).reshape(4, 2, 1, 1)  # 4 blocks of 2 tokens, H=1, d=1
     >>> gather(keys, keys, ReadPlan(3, (3, 1), offset=1), Scratch(keys.dtype))[0].ravel().tolist()
     [7.0, 2.0, 3.0]
     """
-    _, block_size, num_kv_heads, head_dim = keys.shape
+    num_blocks, block_size, num_kv_heads, head_dim = keys.shape
+    plan.check(num_blocks, block_size)  # before np.take(mode="clip") would read a wrong block
     if plan.slots is not None:
         return _take(keys.reshape(-1, num_kv_heads, head_dim), values.reshape(-1, num_kv_heads, head_dim),
                      plan.slots, scratch)
@@ -94,8 +98,8 @@ def _take(keys: Array, values: Array, rows: npt.NDArray[np.intp], scratch: Scrat
     key_out = scratch_keys[:size].reshape(shape)
     value_out = scratch_values[:size].reshape(shape)
     # NOTE: mode="clip" skips the bounds check that makes the default
-    # mode="raise" buffer the whole result when out= is given; rows come
-    # from block tables the pool validated, so they are in range.
+    # mode="raise" buffer the whole result when out= is given; ``gather``
+    # checked the plan, so the rows are in range.
     np.take(keys, rows, axis=0, out=key_out, mode="clip")
     np.take(values, rows, axis=0, out=value_out, mode="clip")
     return key_out, value_out

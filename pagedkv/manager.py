@@ -81,7 +81,11 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         * a preempted sequence holds no blocks;
         * with a window ``W`` (the largest over layers), a sequence holds no
           block wholly older than its newest reservation's window;
-        * every layer's written count is at most the table's token count.
+        * every layer's written count is at most the table's token count;
+        * with prefix caching, a keyed block is never written: a table that
+          holds one partly (cut by ``truncate`` while another held it full)
+          copies it before its next append (see
+          :class:`~pagedkv.prefix_sharing.PrefixSharing`).
 
     Args:
         pool: the device pool; its ``num_layers``, ``num_kv_heads``,
@@ -227,7 +231,8 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         """What ``reserve(requests)`` would take and free, without doing it.
 
         Args:
-            requests: as for ``reserve`` (may be ``{}`` when ``admit`` is given).
+            requests: as for ``reserve``, or ``{}``: nothing to reserve, which fits
+                (``reserve({})`` itself is refused).
             admit: ``lookup`` results of prompts to admit first, in the same
                 step: their blocks count too (a cached block two of them
                 revive counts once).
@@ -236,7 +241,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        if admit and isinstance(requests, Mapping) and not requests:  # admissions only
+        if isinstance(requests, Mapping) and not requests:  # nothing to reserve (admissions only, or none)
             num_free = self.pool.allocator.num_free_blocks
             plan = ReservationPlan(True, 0, 0, 0, num_free)
         else:
@@ -301,8 +306,8 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         """Reserve slots for new tokens of several sequences, all or nothing.
 
         First every block wholly outside each sequence's window (for its first
-        new token) goes back to the pool; then shared, partly filled last
-        blocks are copied (copy-on-write); then new blocks are taken.
+        new token) goes back to the pool; then shared (or prefix-keyed), partly
+        filled last blocks are copied (copy-on-write); then new blocks are taken.
 
         Args:
             requests: ``{seq_id: num_new_tokens}`` (or ``(seq_id, n)`` pairs),
@@ -431,6 +436,10 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         if seq.state is not SequenceState.RUNNING:
             raise SequenceStateError(f"sequence {seq_id!r} is {seq.state.value}, not running")
         released = seq.take_back_unwritten()
+        if self._sharing is not None:
+            # NOTE: unwritten tokens are never keyed, so nothing should go here;
+            # the rule of truncate holds for every path that shortens a table.
+            self._sharing.retract_truncated(seq, released)
         if released:
             self.pool.allocator.free(released)
 
@@ -441,7 +450,10 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         Every layer forgets the later tokens; blocks that then hold nothing go
         back to the pool, and with prefix caching a block that is no longer
         full loses its key (its free slots are about to be overwritten), as
-        does a dropped block no other sequence holds. All or nothing.
+        does a dropped block no other sequence holds. A partly kept block
+        that another sequence still holds keeps its key (true for that one),
+        and this sequence's next append copies it first, even after the
+        others left: a keyed block is never written. All or nothing.
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not known.

@@ -49,6 +49,11 @@ class PrefixCachingCommands:
     def drain_kv_events(self) -> list[KVEvent]:
         """The KV events recorded since the last drain, oldest first (see :mod:`pagedkv.events`).
 
+        After the buffer overflowed (or ``kv_events.request_resync()``), a
+        resync instead: ``AllBlocksCleared``, then every keyed block, parents
+        first. Applying every drain in order leaves a consumer's index equal
+        to the prefix cache's keys, overflow or not.
+
         Raises:
             ConfigError: events are off (``kv_events=False``).
         """

@@ -55,6 +55,7 @@ class ManagerReports:
         if self._sharing is not None:
             self._sharing.cache.check_invariants()
             self._sharing.stats.check_invariants()
+            self._sharing.check_invariants(self._seqs.values())
         self._seqs.check_invariants(keyed=self._sharing is not None, has_host_pool=self.host_pool is not None)
 
     # ------------------------------------------------------- internal hooks

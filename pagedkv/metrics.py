@@ -69,8 +69,9 @@ class ManagerMetrics:
             docs/paging.md.
         num_view_reads: device pool reads served by a mapped view.
         num_gather_reads: reads of a views pool that gathered instead (sinks,
-            the map budget, a refused mapping); 0 for a gather pool, whose
-            reads are not counted.
+            a padded batch, the map budget, a refused mapping); each read of
+            a views pool counts once, here or in ``num_view_reads``. 0 for a
+            gather pool, whose reads are not counted.
         num_view_maps: blocks mapped into views since the pool was made.
         num_view_fallbacks: reads the map budget or the kernel refused (they gathered).
         num_mapped_blocks: blocks mapped into the device pool's views now.

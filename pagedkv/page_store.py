@@ -66,10 +66,15 @@ class PageStore:
         key_dtype: str | None,
         value_dtype: str | None,
         in_file: bool,
+        views_required: bool = False,
     ) -> None:
         """Zeroed pages for ``num_blocks`` blocks (arguments already validated by ``KVPool``).
 
+        ``in_file`` puts float pages in a page file, falling back to plain
+        arrays, or raising ``ConfigError`` when ``views_required``.
+
         Raises:
+            ConfigError: ``views_required`` and no page file could be made.
             MemoryError, ValueError, OverflowError: the arrays cannot be allocated.
         """
         self.block_size = block_size
@@ -89,7 +94,8 @@ class PageStore:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         key_store = self._key_format.code_dtype if self._key_format else dtype
         value_store = self._value_format.code_dtype if self._value_format else dtype
-        self._pages: PageArrays = new_page_arrays(num_layers, shape, key_store, value_store, in_file)
+        self._pages: PageArrays = new_page_arrays(num_layers, shape, key_store, value_store, in_file,
+                                                  views_required)
         self._keys, self._values = self._pages.keys, self._pages.values
         self._token_rows = self._flat_rows()
         # Scales (num_blocks, block_size, num_kv_heads, num_groups) per scaled side and layer.
@@ -228,7 +234,13 @@ class PageStore:
 
         Float pools only. Views of the storage for a run, of this thread's
         scratch otherwise (as ``gather``).
+
+        Raises:
+            InputTypeError, LayerIndexError: ``layer`` is not an index of a layer.
+            UnknownBlockError: the plan names a block past the pool's end; nothing is read.
         """
+        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            layer = check_layer(layer, self.num_layers)
         return gather(self._keys[layer], self._values[layer], plan, self._scratch)
 
     def gather_quantized(self, layer: int, plan: ReadPlan) -> tuple[Tokens, Tokens]:
@@ -238,8 +250,14 @@ class PageStore:
         :class:`~pagedkv.quantization.QuantizedTokens` (codes and scales) when
         that side is quantized. Views of the storage when the plan's blocks
         are one run, new arrays otherwise. Nothing is dequantized.
+
+        Raises:
+            InputTypeError, LayerIndexError: ``layer`` is not an index of a layer.
+            UnknownBlockError: the plan names a block past the pool's end; nothing is read.
         """
+        layer = check_layer(layer, self.num_layers)
         key_side, value_side = self._sides(layer)
+        plan.check(len(key_side[0]), self.block_size)
         if plan.slots is None and plan.is_run and plan.num_tokens:
             first, num = plan.block_ids[0], len(plan.block_ids)
             lo, hi = plan.offset, plan.offset + plan.num_tokens

@@ -145,7 +145,7 @@ def attend_decode_padded(
     padded = np.zeros((len(tables), width), np.intp)
     for row, slots in enumerate(slot_lists):
         padded[row, : len(slots)] = slots
-    keys, values = pool.gather_tokens(layer, ReadPlan(padded.size, slots=padded.ravel()))
+    keys, values = pool.read_gathered(layer, ReadPlan(padded.size, slots=padded.ravel()), len(tables))
     shape = (len(tables), width, pool.num_kv_heads, pool.head_dim)
     # (num_kv_heads, num_seqs, width, head_dim) views of the token-major gather
     key_heads = keys.reshape(shape).transpose(2, 0, 1, 3)

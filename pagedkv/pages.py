@@ -66,8 +66,12 @@ def choose_view_mode(requested: object, *, growable: bool, quantized: bool, bloc
     if reason is None:
         return "views"
     if requested == "views":
-        raise ConfigError(f"view_mode='views' is impossible here: {reason}; use 'auto' or 'gather'")
+        raise _views_impossible(reason)
     return "gather"
+
+
+def _views_impossible(reason: str) -> ConfigError:
+    return ConfigError(f"view_mode='views' is impossible here: {reason}; use 'auto' or 'gather'")
 
 
 def _why_not_views(growable: bool, quantized: bool, block_bytes: int) -> str | None:
@@ -80,7 +84,15 @@ def _why_not_views(growable: bool, quantized: bool, block_bytes: int) -> str | N
                 f"{PAGE_SIZE:,}-byte page (block_size x num_kv_heads x head_dim x itemsize)")
     if not views_supported():
         return "this platform has no mmap(MAP_FIXED) (Linux only)"
+    descriptors = descriptor_budget()
+    if descriptors.num_used + FDS_PER_PAGE_FILE > descriptors.limit:
+        return _descriptors_spent(descriptors)
     return None
+
+
+def _descriptors_spent(descriptors: MapBudget) -> str:
+    return (f"page files hold {descriptors.num_used:,} of the {descriptors.limit:,} descriptors they "
+            f"may use (a quarter of RLIMIT_NOFILE) and a page file needs {FDS_PER_PAGE_FILE}")
 
 
 class PageArrays:
@@ -102,22 +114,27 @@ class PageArrays:
 
 def new_page_arrays(
     num_layers: int, shape: tuple[int, int, int, int], key_dtype: np.dtype[Any],
-    value_dtype: np.dtype[Any], in_file: bool,
+    value_dtype: np.dtype[Any], in_file: bool, required: bool = False,
 ) -> PageArrays:
     """Zeroed page arrays of ``shape`` per layer and side, in a shared page file when ``in_file``.
 
     Untouched blocks cost no memory either way (``np.zeros`` and a fresh file
     both hand out zero pages lazily). A page file that cannot be made or
-    mapped falls back to plain arrays (``page_file`` None).
+    mapped falls back to plain arrays (``page_file`` None), unless
+    ``required`` (``view_mode="views"``).
 
     Raises:
+        ConfigError: ``required`` and the page file cannot be made (the
+            message says why: the descriptor budget, or the kernel's refusal).
         MemoryError, ValueError: the plain arrays cannot be allocated.
     """
     if in_file:
         try:
             return _in_file(num_layers, shape, key_dtype)
-        except (OSError, ValueError, OverflowError):
-            pass  # plain arrays below; the pool then gathers
+        except (OSError, ValueError, OverflowError) as error:
+            if required:
+                raise _views_impossible(f"no page file could be made ({error})") from None
+            # plain arrays below; the pool then gathers
     return PageArrays([np.zeros(shape, key_dtype) for _ in range(num_layers)],
                       [np.zeros(shape, value_dtype) for _ in range(num_layers)], None)
 
@@ -128,8 +145,7 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
     side_bytes = num_blocks * block_bytes
     descriptors = descriptor_budget()
     if not descriptors.take(FDS_PER_PAGE_FILE):
-        raise OSError(errno.EMFILE, f"page files hold {descriptors.num_used:,} of the "
-                      f"{descriptors.limit:,} descriptors they may use")
+        raise OSError(errno.EMFILE, _descriptors_spent(descriptors))
     fd = -1
     try:
         fd = open_page_file(2 * num_layers * side_bytes)

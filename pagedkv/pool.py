@@ -26,13 +26,14 @@ import numpy.typing as npt
 
 from pagedkv.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
 from pagedkv.block_table import BlockTable
-from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError, PoolTooLargeError, refuse_pickling
+from pagedkv.counts import check_count, check_layer
+from pagedkv.errors import ConfigError, InputTypeError, PoolTooLargeError, refuse_pickling
 from pagedkv.inputs import check_dtype
 from pagedkv.page_fork import ForkCopy, track
 from pagedkv.page_store import PageStore
 from pagedkv.pages import choose_view_mode
 from pagedkv.quantization import bytes_per_token, check_storage_dtype, storage_format
+from pagedkv.read_plan import ReadPlan
 from pagedkv.views import PageViews, ViewStats
 from pagedkv.vmem import map_budget
 
@@ -81,7 +82,7 @@ class KVPool(PageStore):
         *,
         block_size: int = 16,
         num_kv_heads: int = 1,
-        head_dim: int,
+        head_dim: int | None = None,
         num_layers: int = 1,
         dtype: npt.DTypeLike = np.float64,
         growable: bool = False,
@@ -95,7 +96,7 @@ class KVPool(PageStore):
             num_blocks: blocks in the pool; a fixed pool never grows.
             block_size: token slots per block.
             num_kv_heads: key/value heads stored per token.
-            head_dim: values per head.
+            head_dim: values per head (required; keyword-only).
             num_layers: layers whose storage the block ids index.
             dtype: float32 or float64.
             growable: let the pool double when it runs out (used by the private
@@ -110,13 +111,20 @@ class KVPool(PageStore):
                 resolved choice is ``pool.view_mode``; outputs are the same.
 
         Raises:
-            ConfigError, InputTypeError: a size is not a positive int, or the
+            ConfigError, InputTypeError: a size is not a positive int (or
+                ``head_dim`` is missing), ``growable`` is not a bool, or the
                 dtype is not float32/float64, or a storage dtype is unknown,
                 or ``view_mode`` is unknown or impossible.
             PoolTooLargeError: the arrays cannot be allocated (a ``MemoryError``
                 naming the bytes wanted).
             ImportError: ``"float8_e4m3"`` or ``"bfloat16"`` without ml_dtypes (the ``fp8`` extra).
         """
+        if head_dim is None:  # a typed error, not Python's bare TypeError for a missing argument
+            raise InputTypeError(
+                f"KVPool needs head_dim (values per head), got None; e.g. KVPool({num_blocks!r}, head_dim=64)"
+            )
+        if not isinstance(growable, bool):
+            raise InputTypeError(f"growable must be True or False, got {growable!r}")
         block_size = check_count("block_size", block_size)
         num_kv_heads = check_count("num_kv_heads", num_kv_heads)
         head_dim = check_count("head_dim", head_dim)
@@ -137,7 +145,10 @@ class KVPool(PageStore):
             self.allocator = BlockAllocator(num_blocks)
             super().__init__(num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, num_layers=num_layers, dtype=compute,
-                             key_dtype=key_dtype, value_dtype=value_dtype, in_file=mode == "views")
+                             key_dtype=key_dtype, value_dtype=value_dtype, in_file=mode == "views",
+                             views_required=view_mode == "views")
+        except ConfigError:  # view_mode="views" and no page file: not a size problem
+            raise
         except (MemoryError, ValueError, OverflowError):  # numpy: "array is too big" is a ValueError
             per_token = bytes_per_token(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=compute,
                                         key_dtype=key_dtype, value_dtype=value_dtype, num_layers=num_layers)
@@ -208,19 +219,44 @@ class KVPool(PageStore):
 
         Float pools only. In ``"views"`` mode one range after the sinks is
         read through the table's mapped view (read-only; valid until this
-        table's next read); anything else, or a view refused by the map
-        budget, is gathered as ``gather_tokens(layer, table.read_plan(ranges))``.
-        The arrays are equal either way.
+        table's next read); anything else (sinks in front, a view refused by
+        the map budget or the kernel) is gathered as
+        ``gather_tokens(layer, table.read_plan(ranges))``. The arrays are
+        equal either way, and ``view_stats`` counts each read once: as a view
+        read or as a gather read.
+
+        Raises:
+            InputTypeError, LayerIndexError: ``layer`` is not an index of a layer.
+            UnknownBlockError: the table names a block past the pool's end;
+                nothing is mapped, read or counted.
         """
+        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            layer = check_layer(layer, self.num_layers)
         views = self._views
-        if views is not None and len(ranges) == 1 and table.num_window_blocks:
+        if views is None:
+            return self.gather_tokens(layer, table.read_plan(ranges))
+        if len(ranges) == 1 and table.num_window_blocks:
             start, end = ranges[0]
             if start < end:
-                viewed = views.read(table, layer, start, end)
+                viewed = views.read(table, layer, start, end)  # counts itself when it serves the read
                 if viewed is not None:
                     return viewed
-            views.stats.num_gather_reads += 1
-        return self.gather_tokens(layer, table.read_plan(ranges))
+        gathered = self.gather_tokens(layer, table.read_plan(ranges))
+        views.count_gather_reads(1)
+        return gathered
+
+    def read_gathered(
+        self, layer: int, plan: ReadPlan, num_reads: int
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """``gather_tokens(layer, plan)``, counted in ``view_stats`` as ``num_reads`` gather reads.
+
+        For a read of several tables at once (a padded decode batch: one read
+        per table), so that every read is counted once as in :meth:`read`.
+        """
+        gathered = self.gather_tokens(layer, plan)
+        if self._views is not None:
+            self._views.count_gather_reads(num_reads)
+        return gathered
 
     def release_views(self, table: BlockTable) -> None:
         """Unmap every view of ``table`` (it is freed or closed); its next read maps again.

@@ -219,7 +219,13 @@ class PrefixCache:
           have the same size;
         * a block has a key iff the allocator marks it cached; a keyed block
           is either in use or waits in the allocator's cached free queue;
-          no plain free block has a key.
+          no plain free block has a key;
+        * a keyed block is full and holds what its key says: the manager
+          never writes into one (``BlockAllocator.must_copy_before_append``),
+          so a key is dropped only when its block is reused or about to be
+          overwritten by its only holder;
+        * with ``events``, every key change is reported to it, so its
+          ``keyed_hashes`` are exactly the keys (what a resync replays).
 
     >>> allocator = BlockAllocator(4)
     >>> cache = PrefixCache(allocator)
@@ -269,7 +275,13 @@ class PrefixCache:
         return self._key_of.get(block_id)
 
     def longest_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        """Block ids of the longest run of ``keys``, from the first, that are all cached."""
+        """Block ids of the longest run of ``keys``, from the first, that are all cached.
+
+        Raises:
+            InputTypeError: ``keys`` is not a list (or tuple) of block keys.
+        """
+        if keys.__class__ is not list and (isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence)):
+            raise InputTypeError(f"keys must be a list of block keys (bytes), got {keys!r}")
         found = []
         block_of = self._block_of
         for key in keys:
@@ -285,7 +297,13 @@ class PrefixCache:
         A second block with the same contents (two identical prompts admitted
         in one step) stays unkeyed: the first block keeps the key, so the map
         never has two blocks for one key nor a key on the wrong block.
+
+        Raises:
+            InputTypeError: ``key`` is not bytes.
+            UnknownBlockError, BlockStateError: as the allocator's ``mark_cached``.
         """
+        if not isinstance(key, bytes):  # a str would never equal the bytes keys lookups use
+            raise InputTypeError(f"a block key must be bytes, got {key!r} ({type(key).__name__})")
         if key in self._block_of or block_id in self._key_of:
             return False
         self._allocator.mark_cached(block_id)
@@ -385,6 +403,8 @@ class PrefixCache:
         for block_id in allocator.free_block_ids():
             if block_id in self._key_of:
                 raise AssertionError(f"plain free block {block_id} still has a key")
+        if self.events is not None and self.events.keyed_hashes != set(self._block_of):
+            raise AssertionError("the KV event buffer's keyed hashes differ from the cache's keys")
 
     def _evicted(self, block_id: int) -> None:
         key = self._key_of.pop(block_id)

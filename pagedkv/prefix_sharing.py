@@ -14,6 +14,7 @@ prompt's longest cached prefix into a block table of shared blocks.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 from pagedkv.allocator import BlockAllocator
 from pagedkv.block_table import BlockTable
@@ -30,13 +31,34 @@ from pagedkv.prefix_cache import (
     hash_function,
 )
 from pagedkv.prefix_stats import HitWindow
-from pagedkv.sequence import SequenceRecord
+from pagedkv.sequence import SequenceRecord, SequenceState
 
 __all__ = ["PrefixSharing"]
 
 
 class PrefixSharing:
     """One manager's prefix cache and the rules that tie it to sequences.
+
+    Invariants (``check_invariants``, over the manager's running records):
+        * a key names its block's contents: a held block among a record's
+          first ``len(block_keys)`` logical blocks has no key or that key;
+        * a keyed block is never written: a table may hold a keyed block
+          partly (``truncate`` cut into it while another table held it full,
+          and the key stayed true for that one), and then its next append
+          copies it first, whatever its ref count by then
+          (``BlockAllocator.must_copy_before_append``).
+
+    NOTE: truncation drops the key of a block it leaves partly held only
+    when no other table holds it (then it is about to be overwritten in
+    place); a key still true for another holder stays, and the truncated
+    table never writes into the block. Dropping the key instead when the
+    last full holder leaves would need to know which tables hold a block
+    fully, which the allocator's ref counts do not say::
+
+        block_size 2         a: [1 2] [3 4]   b: [1 2] [3 4] [5]   (block 1 keyed, ref count 2)
+        truncate(a, 3)       a: [1 2] [3 .]   key of block 1 stays: b holds it full
+        free(b)              block 1: ref count 1, keyed, held partly by a
+        reserve(a, [9])      a copies block 1 first; block 1 waits, still keyed, in the cached free queue
 
     Args:
         allocator: the device pool's allocator.
@@ -238,9 +260,11 @@ class PrefixSharing:
         """After ``record.truncate``, drop the keys its rollback made untrue or unowned.
 
         The block now holding the newest token is no longer full: its key goes
-        unless another sequence still holds it (then the next append copies it
-        first). A released block loses its key when no one else holds it. Call
-        before freeing ``released``.
+        unless another sequence still holds it. A kept key stays true, for the
+        block is never written under it: the next append of ``record`` copies
+        it first, even once the others have left (see the class docstring). A
+        released block loses its key when no one else holds it. Call before
+        freeing ``released``.
         """
         allocator, cache = self._allocator, self.cache
         table = record.table
@@ -248,6 +272,34 @@ class PrefixSharing:
         for block_id in [*released, *tail]:
             if allocator.ref_count(block_id) == 1:
                 cache.forget(block_id)
+
+    def check_invariants(self, records: Iterable[SequenceRecord]) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken for ``records``.
+
+        Args:
+            records: every record of the manager (only running ones hold device blocks).
+        """
+        cache, allocator, bs = self.cache, self._allocator, self._block_size
+        for record in records:
+            if record.state is not SequenceState.RUNNING:
+                continue
+            table = record.table
+            name = f"sequence {record.seq_id!r}"
+            logical_blocks = range(len(record.block_keys))
+            for logical_block, block_id in zip(logical_blocks, table.ids_of_blocks(logical_blocks)):
+                key = None if block_id is None else cache.key_of(block_id)
+                if key is not None and key != record.block_keys[logical_block]:
+                    raise AssertionError(
+                        f"{name}: block {block_id} (logical block {logical_block}) is keyed for "
+                        "other contents than the sequence wrote there: a keyed block was written"
+                    )
+            if not table.num_blocks or not table.num_tokens % bs:
+                continue
+            last = table.last_block_id
+            if cache.key_of(last) is not None and not allocator.must_copy_before_append(last):
+                raise AssertionError(
+                    f"{name} holds keyed block {last} partly and would append into it without a copy"
+                )
 
     def rekey_restored(self, record: SequenceRecord) -> None:
         """After a swap-in, key the restored full blocks whose keys are free again."""

@@ -9,7 +9,7 @@ function (:func:`plan_steps`) serves ``plan()``, ``can_reserve()`` and
 Per sequence, in order::
 
     1. evict: blocks wholly before the new window start go back (with a window);
-    2. copy-on-write: a shared, partly filled last block is copied first;
+    2. copy-on-write: a shared or keyed, partly filled last block is copied first;
     3. append: new blocks for the tokens past the last block's free slots.
 
 NOTE: an engine calls ``reserve`` every step for every sequence, so the
@@ -87,7 +87,7 @@ class SequenceStep:
     Attributes:
         window_start: the window start for its first new token (its current
             one when nothing is evicted).
-        copy_on_write: its shared, partly filled last block is copied first.
+        copy_on_write: its shared or keyed, partly filled last block is copied first.
         num_new_blocks: blocks appended for its new tokens.
     """
 
@@ -238,9 +238,9 @@ def plan_step(
             if ref_drops[block_id] == allocator.ref_count(block_id):
                 num_released += 1
     copy_on_write = False
-    if num_tokens % bs and table.num_blocks:  # a partly filled last block: copied first if shared
+    if num_tokens % bs and table.num_blocks:  # a partly filled last block: copied first if shared or keyed
         last = table.last_block_id
-        if allocator.ref_count(last) - ref_drops.get(last, 0) > 1:
+        if allocator.must_copy_before_append(last, ref_drops.get(last, 0)):
             copy_on_write = True
             ref_drops[last] = ref_drops.get(last, 0) + 1
     # ceil((num_tokens + count) / bs) - ceil(num_tokens / bs): BlockTable.num_new_blocks, inlined

@@ -157,7 +157,7 @@ def reserve_one(
 
     NOTE: the decode token (one token, no window) is planned and committed
     here by hand: its plan is "a new block iff the last one is full; a
-    shared, partly filled last block means copy-on-write, which the general
+    shared or keyed, partly filled last block means copy-on-write, which the general
     path does". An engine makes this call for every sequence every step, and
     two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
     of it. tests/test_manager_speed_paths.py feeds the same calls to this
@@ -205,8 +205,8 @@ def reserve_one(
     offset = num_tokens % bs
     if offset:
         block_id = table.last_block_id
-        if allocator.is_shared(block_id):
-            return None  # a shared, partly filled last block: copy-on-write
+        if allocator.must_copy_before_append(block_id):
+            return None  # a shared or keyed, partly filled last block: copy-on-write
         new_id = None
     else:
         try:

@@ -389,7 +389,9 @@ class SequenceRegistry(dict[Hashable, SequenceRecord]):
         except TypeError as error:
             raise InputTypeError(f"sequence ids must be hashable, got {seq_id!r}") from error
         if known:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+            state = self[seq_id].state
+            hint = "" if state is RUNNING else f" ({state.value}: resume({seq_id!r}) brings it back)"
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists{hint}")
 
 
 def pending_layers(num_written: list[int], num_tokens: int) -> list[int]:
@@ -404,7 +406,10 @@ def check_settled(record: SequenceRecord, action: str) -> None:
         SequenceStateError: it is preempted or swapped, or a layer lags behind.
     """
     if record.state is not SequenceState.RUNNING:
-        raise SequenceStateError(f"cannot {action} sequence {record.seq_id!r}: it is {record.state.value}")
+        raise SequenceStateError(
+            f"cannot {action} sequence {record.seq_id!r}: it is {record.state.value}; "
+            f"call resume({record.seq_id!r}) first"
+        )
     pending = record.pending_layers()
     if pending:
         raise SequenceStateError(

@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.block_table import BlockTable
+from pagedkv.read_plan import check_block_ids
 from pagedkv.vmem import MapBudget, Reservation, populate
 
 __all__ = ["MIN_CAPACITY", "PageFile", "PageViews", "ViewStats"]
@@ -56,7 +57,8 @@ class PageFile:
     """Where blocks live in the shared page file: layer ``l``, side ``s`` (0 keys, 1 values).
 
     In a forked child ``fd`` names a copy of the parent's file
-    (:mod:`pagedkv.page_fork`).
+    (:mod:`pagedkv.page_fork`), or, when the child's pages were copied into
+    private memory instead, still the parent's file, which nothing maps again.
 
     Attributes:
         fd: the file's descriptor.
@@ -122,8 +124,9 @@ class ViewStats:
 
     Attributes:
         num_view_reads: reads served by a mapped view.
-        num_gather_reads: reads that fell back to gathering (slots plans, the
-            map budget, a refused mapping).
+        num_gather_reads: reads that gathered (sinks in front of the window,
+            a padded batch, the map budget, a refused mapping). Every read
+            counts once, here or in ``num_view_reads``.
         num_maps: blocks mapped (``mmap`` calls).
         num_zeroes: position runs zeroed (eviction, truncation, release).
         num_fallbacks: reads refused by the map budget or the kernel.
@@ -163,6 +166,10 @@ def _window_state(table: BlockTable, first: int) -> _State:
     return first, table.blocks_version
 
 
+class _RefusedError(Exception):
+    """The kernel refused to map a block (inside ``PageViews`` only: the read gathers)."""
+
+
 class _Account:
     """Areas one registry holds of the budget, kept apart so its finalizer can give them back."""
 
@@ -191,8 +198,11 @@ class PageViews:
         * each range maps exactly ``ids`` at positions ``lo .. lo + len(ids) - 1``
           and zeros everywhere else;
         * the areas charged to the budget are ``len(ids) + 2`` per range, and
-          this registry holds exactly their sum (given back when it is collected);
-        * a range belongs to a live table; a collected table's ranges are released;
+          this registry holds exactly their sum, stale ranges' included (given
+          back when it is collected);
+        * a range belongs to a live table, or is *stale*: dropped, but the
+          kernel refused to zero it yet (every later call tries again);
+        * a collected table's ranges are released;
         * a table's window arrays exist only for layers whose two ranges exist
           (they were read from them since the table's state last changed).
     """
@@ -214,6 +224,8 @@ class PageViews:
         # the lock: a finalizer may run inside any allocation, even one made
         # while this thread holds the lock, so it must not take it.
         self._dead: list[int] = []
+        # Dropped ranges the kernel would not zero yet (see _drop); each holds its areas.
+        self._stale: list[_Range] = []
 
     @property
     def lock(self) -> threading.Lock:
@@ -225,7 +237,8 @@ class PageViews:
         """Blocks mapped now, over every range (an upper bound on the areas they take)."""
         with self._lock:
             self._release_dead()
-            return sum(len(r.ids) for views in self._tables.values() for r in views.ranges.values())
+            live = sum(len(r.ids) for views in self._tables.values() for r in views.ranges.values())
+            return live + sum(len(piece.ids) for piece in self._stale)
 
     def read(self, table: BlockTable, layer: int, start: int, end: int) -> tuple[Array, Array] | None:
         """Tokens ``start .. end - 1`` of ``table`` in layer ``layer`` as ``(n, H, d)`` views, or None.
@@ -238,7 +251,12 @@ class PageViews:
         A read of a table whose window blocks are as they were at its last
         read of this layer (every decode step but one in ``block_size``)
         maps nothing: it slices the arrays that read made (see
-        :func:`_window_state`).
+        :func:`_window_state`). Only a read served here counts (as a view
+        read); the caller counts a gather with :meth:`count_gather_reads`.
+
+        Raises:
+            UnknownBlockError: a window block id is past the pool's end (it
+                would map past the end of the file); nothing changes.
         """
         bs = table.block_size
         num_window = table.num_window_blocks
@@ -248,7 +266,7 @@ class PageViews:
         state = _window_state(table, first)
         key = id(table)
         with self._lock:
-            if self._dead:
+            if self._dead or self._stale:
                 self._release_dead()
             views = self._tables.get(key)
             # NOTE: the common case (a decode step inside a block: nothing changed
@@ -263,17 +281,28 @@ class PageViews:
         hi = end - first * bs
         return whole[0][lo:hi], whole[1][lo:hi]
 
-    def release_all_after_fork(self) -> None:
+    def count_gather_reads(self, num_reads: int) -> None:
+        """Count ``num_reads`` reads of this pool that gathered instead of reading a view."""
+        with self._lock:
+            self.stats.num_gather_reads += num_reads
+
+    def release_all_after_fork(self, *, mappable: bool = True) -> None:
         """In a forked child, before any other thread exists: zero and drop every range.
 
         The ranges map the parent's file; the next read maps the child's
-        (``pages.fd``). The lock is made anew: another thread of the parent
-        may have held it at the fork.
+        (``pages.fd``). When the child has no file of its own (``mappable``
+        False: its pages were copied into private memory, which no view can
+        map) the registry maps nothing more: its budget becomes an empty one,
+        so every read gathers. The lock is made anew: another thread of the
+        parent may have held it at the fork.
         """
         self._lock = threading.Lock()
         self._release_dead()
         for key in list(self._tables):
             self._release_locked(key)
+        if not mappable:
+            # NOTE: after the release above, whose areas went back to the process's budget.
+            self.budget = MapBudget(limit=0)
 
     def release(self, table: BlockTable) -> None:
         """Zero and drop every range of ``table`` (a closed cache, a freed sequence)."""
@@ -299,6 +328,7 @@ class PageViews:
                     if piece.lo < 0 or piece.lo + len(piece.ids) > piece.capacity:
                         raise AssertionError(
                             f"mapped positions {piece.lo}+{len(piece.ids)} past {piece.capacity}")
+            total += sum(piece.num_charged for piece in self._stale)
             if total != self._account.num_charged:
                 raise AssertionError(f"ranges charge {total} areas but the registry holds "
                                      f"{self._account.num_charged}")
@@ -311,12 +341,14 @@ class PageViews:
     ) -> tuple[Array, Array] | None:
         """``read``'s slow part (under the lock): the layer's window arrays, mapped now; None on refusal."""
         key = id(table)
+        ids = table.window_block_ids(table.num_window_blocks)
+        check_block_ids(ids, self.pages.num_blocks)  # before anything maps an offset past the file
         if views is None:
             views = self._tables[key] = _TableViews()
             self._finalizers[key] = weakref.finalize(table, self._forget, key)
         if views.state != state:
             views.state, views.arrays = state, {}
-        whole = self._map_window(table, views, layer, first)
+        whole = self._map_window(table, views, layer, first, ids)
         if whole is None:
             self.stats.num_fallbacks += 1
             self._release_locked(key)
@@ -325,14 +357,15 @@ class PageViews:
         return whole
 
     def _map_window(
-        self, table: BlockTable, views: _TableViews, layer: int, first: int
+        self, table: BlockTable, views: _TableViews, layer: int, first: int, ids: list[int]
     ) -> tuple[Array, Array] | None:
         """Sync layer ``layer``'s two ranges: the window's keys and values ``(num_window * bs, H, d)``.
 
-        None when the budget or the kernel refused a mapping.
+        None when the budget or the kernel refused a mapping (any ``OSError``
+        included): the areas this call charged are given back, and the caller
+        releases the table's ranges, with the areas they hold.
         """
-        num_window = table.num_window_blocks
-        ids = table.window_block_ids(num_window)
+        num_window = len(ids)
         # NOTE: both sides' areas are claimed before either is mapped: a budget
         # with room for one side only must refuse at once, not map keys, fail
         # on values, release, and map the keys again at every read.
@@ -341,25 +374,35 @@ class PageViews:
                 for piece in (views.ranges.get((layer, 0)), views.ranges.get((layer, 1)))]
         if not self._charge(2 * wanted - sum(held)):
             return None
+        # Areas charged for each side that its range has not taken yet (a range
+        # takes them when its sync succeeds); a refusal gives back what is left.
+        owed = [wanted - held[0], wanted - held[1]]
         sides = []
-        for side in (0, 1):
-            piece = self._sync(views.ranges, layer, side, first, ids)
-            if piece is None:
-                if side == 0:  # the values' range was charged but not reached
-                    self._uncharge(wanted - held[1])
-                return None
-            offset = (first - piece.base) * self.pages.block_bytes
-            flat = piece.reservation.array(offset, num_window * self.pages.block_bytes, self.pages.dtype)
-            sides.append(flat.reshape(num_window * table.block_size, *self.pages.token_shape))
+        try:
+            for side in (0, 1):
+                piece = self._sync(views.ranges, layer, side, first, ids)
+                owed[side] = 0
+                offset = (first - piece.base) * self.pages.block_bytes
+                flat = piece.reservation.array(offset, num_window * self.pages.block_bytes, self.pages.dtype)
+                sides.append(flat.reshape(num_window * table.block_size, *self.pages.token_shape))
+        except (_RefusedError, OSError, ValueError, OverflowError):
+            self._uncharge(sum(owed))
+            return None
         return sides[0], sides[1]
 
     def _sync(
         self, ranges: dict[tuple[int, int], _Range], layer: int, side: int, first: int, ids: list[int]
-    ) -> _Range | None:
-        """Make the range of (layer, side) map ``ids`` as logical blocks ``first ..``; None on refusal.
+    ) -> _Range:
+        """Make the range of (layer, side) map ``ids`` as logical blocks ``first ..``.
 
         The caller has charged the budget for ``len(ids) + 2`` areas for this
-        range (less what it held); a range dropped on the way gives them back.
+        range, less what it held; the range takes them (``num_charged``) only
+        once it maps ``ids``. A range that replaces another takes over its areas.
+
+        Raises:
+            _RefusedError: the kernel refused a mapping.
+            OSError, ValueError, OverflowError: a new range could not be reserved,
+                or zeros could not be mapped; the caller releases the table's ranges.
         """
         num = len(ids)
         piece = ranges.get((layer, side))
@@ -367,21 +410,15 @@ class PageViews:
         # NOTE: a turn remaps every held block, so the range keeps room for as
         # many again: one extra mapping per appended block, amortised.
         if piece is None or num > piece.capacity or (turns and 2 * num > piece.capacity):
+            fresh = _Range(max(2 * num, MIN_CAPACITY), self.pages.block_bytes)  # the old one stays on failure
+            fresh.base = first
             if piece is not None:
-                piece.num_charged = 0  # its areas pass to the new range
+                fresh.num_charged, piece.num_charged = piece.num_charged, 0  # its areas pass to the new range
                 self._drop(piece)
-            try:
-                piece = _Range(max(2 * num, MIN_CAPACITY), self.pages.block_bytes)
-            except (OSError, ValueError, OverflowError):
-                ranges.pop((layer, side), None)
-                self._uncharge(num + _AREAS_PER_RANGE)
-                return None
-            piece.base = first
-            ranges[(layer, side)] = piece
+            ranges[(layer, side)] = piece = fresh
         elif turns:
             piece.base = first  # the ring turns: positions are recomputed below
         lo = first - piece.base
-        piece.num_charged = num + _AREAS_PER_RANGE
         block_bytes = self.pages.block_bytes
         # Zero what lies outside the new mapped positions, then map what differs.
         old_lo, old_ids = piece.lo, piece.ids
@@ -390,21 +427,20 @@ class PageViews:
             if zero_lo < zero_hi:
                 piece.reservation.zero(zero_lo * block_bytes, (zero_hi - zero_lo) * block_bytes)
                 self.stats.num_zeroes += 1
-        if old_lo == lo and old_ids == ids:
-            return piece
-        new_ids: list[int] = []
-        for position, block_id in enumerate(ids, start=lo):
-            index = position - old_lo
-            if not (0 <= index < len(old_ids) and old_ids[index] == block_id):
-                file_offset = self.pages.offset(layer, side, block_id)
-                if not piece.reservation.map(position * block_bytes, block_bytes, self.pages.fd, file_offset):
-                    # Leave the range consistent: what was mapped so far, zeros after.
-                    piece.reservation.zero(position * block_bytes, (lo + num - position) * block_bytes)
-                    piece.lo, piece.ids = lo, new_ids
-                    return None
-                self.stats.num_maps += 1
-            new_ids.append(block_id)
-        piece.lo, piece.ids = lo, new_ids
+        if old_lo != lo or old_ids != ids:
+            new_ids: list[int] = []
+            for position, block_id in enumerate(ids, start=lo):
+                index = position - old_lo
+                if not (0 <= index < len(old_ids) and old_ids[index] == block_id):
+                    file_offset = self.pages.offset(layer, side, block_id)
+                    if not piece.reservation.map(position * block_bytes, block_bytes, self.pages.fd,
+                                                 file_offset):
+                        piece.lo, piece.ids = lo, new_ids  # what is mapped; the release zeroes it all
+                        raise _RefusedError
+                    self.stats.num_maps += 1
+                new_ids.append(block_id)
+            piece.lo, piece.ids = lo, new_ids
+        piece.num_charged = num + _AREAS_PER_RANGE
         return piece
 
     def _charge(self, num_areas: int) -> bool:
@@ -421,7 +457,16 @@ class PageViews:
         self._account.num_charged -= num_areas
 
     def _drop(self, piece: _Range) -> None:
-        piece.reservation.zero(0, piece.reservation.size)
+        """Zero a range and give its areas back; one the kernel will not zero waits in ``_stale``."""
+        try:
+            piece.reservation.zero(0, piece.reservation.size)
+        except OSError:
+            # NOTE: never give up a range still showing blocks: arrays into it
+            # could read a block after it passes to another sequence. It keeps
+            # its areas and is zeroed again by every later call until it works.
+            if piece not in self._stale:
+                self._stale.append(piece)
+            return
         self.stats.num_zeroes += 1
         self._uncharge(piece.num_charged)
         piece.num_charged = 0
@@ -440,3 +485,7 @@ class PageViews:
     def _release_dead(self) -> None:
         while self._dead:
             self._release_locked(self._dead.pop())  # its finalizer has run: detaching it does nothing
+        if self._stale:
+            stale, self._stale = self._stale, []
+            for piece in stale:
+                self._drop(piece)  # back into _stale if the kernel still refuses

@@ -41,7 +41,8 @@ import numpy.typing as npt
 
 __all__ = [
     "FDS_PER_PAGE_FILE", "PAGE_SIZE", "MapBudget", "Reservation", "copy_file", "descriptor_budget",
-    "map_budget", "open_page_file", "populate", "remap_shared", "renew_locks", "views_supported",
+    "map_budget", "move_mapping", "open_page_file", "populate", "private_copy", "remap_shared", "renew_locks",
+    "seal", "unmap", "views_supported",
 ]
 
 #: The granularity of a mapping: a block's bytes must be a multiple of it to be mapped.
@@ -49,6 +50,7 @@ PAGE_SIZE = mmap.PAGESIZE
 
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 0x1, 0x2
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _FAILED = ctypes.c_void_p(-1).value
 
@@ -69,6 +71,13 @@ class _Libc:
         libc.madvise.restype = ctypes.c_int
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.madvise = libc.madvise
+        libc.mremap.restype = ctypes.c_void_p  # (old, old size, new size, flags, new address)
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                                ctypes.c_void_p]
+        self.mremap = libc.mremap
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.munmap = libc.munmap
         #: Whether ``MADV_POPULATE_WRITE`` may work here (False once the kernel says EINVAL).
         self.can_populate = True
 
@@ -104,7 +113,9 @@ def open_page_file(size: int) -> int:
     """A file descriptor of a new shared memory file of ``size`` bytes (zeros, allocated lazily).
 
     ``os.memfd_create`` where it exists, else a file under ``/dev/shm``
-    unlinked at once. The caller owns the descriptor.
+    unlinked at once. The caller owns the descriptor. It is close-on-exec
+    (``MFD_CLOEXEC``; ``mkstemp`` opens with ``O_CLOEXEC``), as every
+    descriptor pagedkv makes: a program the process execs never holds pages.
 
     Raises:
         OSError: neither could be made, or ``size`` bytes cannot be reserved.
@@ -172,17 +183,74 @@ def copy_file(source: int, target: int, size: int) -> None:
     Raises:
         OSError: a read or write failed.
     """
+    for start, end in _data_extents(source, size):
+        _copy_range(source, target, start, end)
+
+
+def private_copy(address: int, size: int, fd: int) -> int:
+    """New private anonymous memory holding what file ``fd``, mapped at ``address``, holds; its address.
+
+    Only the file's data extents are copied: its holes stay unallocated
+    zeros. Needs no descriptor. A process that forks after this shares the
+    copy with its child copy-on-write; :func:`move_mapping` puts it in
+    place, :func:`unmap` drops it.
+
+    Raises:
+        OSError: no memory for the copy.
+    """
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+    copy: int | None = _libc().mmap(None, size, _PROT_READ | _PROT_WRITE, flags, -1, 0)
+    if copy is None or copy == _FAILED:
+        raise OSError(ctypes.get_errno(), f"no memory for a private copy of {size:,} bytes of pages")
+    for start, end in _data_extents(fd, size):
+        ctypes.memmove(copy + start, address + start, end - start)
+    return copy
+
+
+def move_mapping(source: int, size: int, target: int) -> None:
+    """Move the mapping at ``source`` over ``target .. target + size`` atomically (``mremap``).
+
+    Arrays into the target range stay valid and now show what ``source``
+    showed; ``source`` is unmapped.
+
+    Raises:
+        OSError: the kernel refused; both ranges are as they were.
+    """
+    got = _libc().mremap(source, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, target)
+    if got in (None, _FAILED):
+        raise OSError(ctypes.get_errno(), "moving a private copy over the pool's mapping failed")
+
+
+def seal(address: int, size: int) -> None:
+    """Make ``address .. address + size`` inaccessible (``PROT_NONE``): a touch kills the process.
+
+    The last resort of a forked child that has no copy of its pages of any
+    kind: it must never write its parent's.
+    """
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+    _libc().mmap(address, size, 0, flags, -1, 0)
+
+
+def unmap(address: int, size: int) -> None:
+    """Unmap ``address .. address + size`` (a :func:`private_copy` no one will use)."""
+    _libc().munmap(address, size)
+
+
+def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` byte ranges of file ``fd`` that hold data (``SEEK_DATA`` / ``SEEK_HOLE``)."""
+    extents = []
     position = 0
     while position < size:
         try:
-            start = os.lseek(source, position, os.SEEK_DATA)
+            start = os.lseek(fd, position, os.SEEK_DATA)
         except OSError as error:
             if error.errno == errno.ENXIO:  # no data past ``position``
-                return
+                break
             raise
-        end = min(os.lseek(source, start, os.SEEK_HOLE), size)
-        _copy_range(source, target, start, end)
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        extents.append((start, end))
         position = end
+    return extents
 
 
 def _copy_range(source: int, target: int, start: int, end: int) -> None:

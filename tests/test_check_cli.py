@@ -142,3 +142,31 @@ def test_all_head_layouts_pass_on_kvcache_in_process(capsys: pytest.CaptureFixtu
 
 def test_parse_max_sizes_accepts_none_ints_and_ranges() -> None:
     assert parse_max_sizes("None, 2-4 ,2") == (None, 2, 3, 4)
+
+
+def test_without_hypothesis_check_exits_2_naming_the_test_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # `import hypothesis` now fails
+    assert main(["pagedkv.testing.buggy:SeedCache", "--max-examples", "1"]) == 2
+    captured = capsys.readouterr()
+    assert 'pip install "pagedkv[test]"' in captured.err
+    assert "needs Hypothesis" in captured.err
+    assert captured.out == ""
+
+
+def test_state_kept_on_the_class_exits_1_saying_the_failure_needs_earlier_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "failing.py"
+    status = main([
+        "pagedkv.testing.buggy:KeepsTokensOnClass", "--caches", "1", "--seed", "0", "-o", str(output),
+    ])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "the failure depends on state left by earlier runs (e.g. class or module state); " \
+        "the program does not fail alone" in out.lower()
+    assert "# ---8<---" not in out
+    assert "--seed 0 --caches 1" in out
+    assert not output.exists()
+    assert f"Wrote nothing to {output}" in out

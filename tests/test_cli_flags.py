@@ -10,12 +10,17 @@ runs, with one ``pagedkv simulate: error: --flag ...`` line.
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
 import pytest
 
+import pagedkv
 from pagedkv import cli
+from pagedkv import demo as demo_module
 from pagedkv.cli import build_parser, main
+from pagedkv.simulate import command as command_module
+from pagedkv.simulate.progress import Progress, format_seconds
 from pagedkv.testing import check
 
 BIG = str(10**30)
@@ -269,3 +274,87 @@ def test_the_types_reject_what_they_should() -> None:
     for bad in ("nan", "inf", "-inf", "", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             cli.finite_float(bad)
+
+
+# ---- issue 27: --version, Ctrl-C, the subcommand's own usage, progress bars
+
+
+def test_version_prints_the_package_name_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(["--version"], capsys)
+    assert status == 0 and err == ""
+    assert out == f"pagedkv {pagedkv.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["simulate", "viz", "demo"])
+def test_ctrl_c_prints_one_line_and_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    def interrupt(*args: object, **kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_module if command == "demo" else command_module, f"run_{command}", interrupt)
+    status, out, err = run_cli([command], capsys)
+    assert status == 130
+    assert err == f"pagedkv {command}: interrupted\n"  # no traceback
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["simulate", "--frobnicate"], "usage: pagedkv simulate "),
+        (["viz", "--frobnicate"], "usage: pagedkv viz "),
+        (["demo", "--tokens", "3", "extra"], "usage: pagedkv demo "),
+        ([*CHECK, "--frobnicate"], "usage: pagedkv check "),
+    ],
+    ids=["simulate", "viz", "demo", "check"],
+)
+def test_an_unknown_flag_is_reported_with_the_subcommands_own_usage(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str
+) -> None:
+    status, out, err = run_cli(argv, capsys)
+    assert status == 2 and out == ""
+    assert err.startswith(usage), err
+    command = argv[0]
+    assert error_lines(err) == [f"pagedkv {command}: error: unrecognized arguments: {argv[-1]}"]
+
+
+def test_an_unknown_flag_before_any_command_keeps_the_top_level_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, _, err = run_cli(["--frobnicate"], capsys)
+    assert status == 2
+    assert err.startswith("usage: pagedkv [-h]")
+    assert error_lines(err) == ["pagedkv: error: unrecognized arguments: --frobnicate"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "labels"),
+    [
+        (["--policies", "paged,contiguous"], ["policy 1 of 2: paged", "policy 2 of 2: contiguous"]),
+        (["--sweep", "--block-sizes", "4,8", "--kernel-cost", "none"],
+         ["run 1 of 3: paged", "run 2 of 3: paged", "run 3 of 3: contiguous"]),
+    ],
+    ids=["policies", "sweep"],
+)  # fmt: skip
+def test_progress_bars_say_which_run_of_how_many(
+    capsys: pytest.CaptureFixture[str], extra: list[str], labels: list[str]
+) -> None:
+    status, out, err = run_cli(["simulate", *SMALL, *extra, "--progress"], capsys)
+    assert status == 0 and out
+    finals = [draw for draw in err.split("\r") if draw.endswith("\n")]  # each bar's last draw
+    assert [draw.split(" [")[0].strip() for draw in finals] == labels
+
+
+def test_a_progress_bar_shows_an_eta_until_it_is_done() -> None:
+    ticks = iter([0.0, 10.0, 20.0, 40.0])
+    stream = io.StringIO()
+    bar = Progress("paged", 100, stream=stream, clock=lambda: next(ticks))
+    bar.update(25)  # 10 s for a quarter: 30 s to go
+    bar.update(50)  # 20 s for a half: 20 s to go
+    bar.close(100)
+    draws = stream.getvalue().split("\r")[1:]
+    assert draws[0].endswith("25/100 requests   10.0 s  ETA 30 s")
+    assert draws[1].endswith("50/100 requests   20.0 s  ETA 20 s")
+    assert draws[2] == "paged              [" + "#" * 30 + "] 100/100 requests   40.0 s\n"
+    assert format_seconds(3600 + 65) == "1:01:05"

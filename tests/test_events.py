@@ -7,18 +7,23 @@ manager's keys; the cases here pin each kind of event to its cause.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
 from support.prefix import key_chain, make
 
 from pagedkv import KVCacheManager, KVPool
-from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
 from pagedkv.events import (
     DEFAULT_MAX_EVENTS,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventBuffer,
     PrefixIndex,
 )
@@ -83,15 +88,59 @@ def test_the_adapter_and_the_window_are_reported() -> None:
         assert event.kv_cache_spec_kind == "sliding_window" and event.kv_cache_spec_sliding_window == 4
 
 
-def test_a_full_buffer_drops_new_events_and_counts_them() -> None:
+def test_a_full_buffer_overflows_into_a_resync_of_every_keyed_block() -> None:
     manager = make(16, kv_events=2)
     manager.add_sequence("a")
     for token in range(6):  # three full blocks, stored one by one
         _write(manager, "a", [token])
+    # pending: Stored(k0), Stored(k1) | Stored(k2) finds it full -> all three dropped, resync pending
     buffer = manager.kv_events
-    assert buffer is not None and (len(buffer), buffer.num_recorded, buffer.num_dropped) == (2, 3, 1)
-    assert len(manager.drain_kv_events()) == 2 and len(buffer) == 0
+    assert buffer is not None and (len(buffer), buffer.num_recorded, buffer.num_dropped) == (0, 3, 3)
+    assert buffer.resync_pending and buffer.num_overflows == 1
+    _write(manager, "a", [6, 7])  # Stored(k3), offered while the resync is pending: the resync reports it
+    assert buffer.num_dropped == 4
     buffer.check_invariants()
+    # drained: Cleared, then the keyed chain k0 <- k1 <- k2 <- k3 as one run
+    assert manager.drain_kv_events() == [
+        AllBlocksCleared(),
+        BlockStored(key_chain(list(range(8)), 2), None, list(range(8)), 2, None, MEDIUM_GPU, None,
+                    kv_cache_spec_kind="full_attention"),
+    ]
+    assert not buffer.resync_pending and buffer.num_resyncs == 1
+    _write(manager, "a", [8, 9])  # after the resync, events flow as before
+    (event,) = manager.drain_kv_events()
+    assert isinstance(event, BlockStored) and event.token_ids == [8, 9]
+
+
+def test_a_resync_replays_parents_first_with_the_parent_each_block_was_stored_with() -> None:
+    buffer = KVEventBuffer(1)
+    buffer.stored([b"a", b"b", b"c"], None, [1, 2, 3, 4, 5, 6], block_size=2, adapter="sql")
+    buffer.removed(b"a")  # overflows: c's parent b stays keyed, b's parent a is gone
+    buffer.stored([b"a"], None, [1, 2], block_size=2, adapter="sql")  # a keyed again, after its children
+    buffer.stored([b"x"], b"c", [7, 8], block_size=2, adapter=3)  # another adapter: a run of its own
+    events = buffer.drain()
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.lora_name, e.lora_id)
+            for e in events if isinstance(e, BlockStored)] == [
+        ([b"a", b"b", b"c"], None, [1, 2, 3, 4, 5, 6], "sql", None),
+        ([b"x"], b"c", [7, 8], None, 3),
+    ]
+    index = PrefixIndex()
+    index.apply([BlockStored([b"stale"], None, [0, 0], 2, None, MEDIUM_GPU, None), *events])
+    assert index.parent_of == {b"a": None, b"b": b"a", b"c": b"b", b"x": b"c"}
+
+
+def test_request_resync_makes_the_next_drain_a_full_snapshot() -> None:
+    buffer = KVEventBuffer(8)
+    buffer.stored([b"a"], None, [1, 2], block_size=2)
+    buffer.removed(b"a")
+    buffer.stored([b"b"], None, [3, 4], block_size=2)
+    buffer.request_resync()  # a subscriber lost batches: drop the three pending, replay instead
+    assert (len(buffer), buffer.num_dropped, buffer.num_overflows) == (0, 3, 0)
+    assert buffer.drain() == buffer.snapshot() == [
+        AllBlocksCleared(), BlockStored([b"b"], None, [3, 4], 2, None, MEDIUM_GPU, None,
+                                        kv_cache_spec_kind="full_attention"),
+    ]
+    assert buffer.num_resyncs == 1 and buffer.drain() == []
 
 
 def test_the_index_answers_leading_blocks_and_forgets_removed_ones() -> None:
@@ -119,3 +168,84 @@ def test_configuration_errors() -> None:
     assert events is not None and events.max_events == DEFAULT_MAX_EVENTS
     with pytest.raises(ConfigError, match="max_events"):
         KVEventBuffer(0)
+
+
+# ---- overflow: the drained stream resynchronises a consumer -------------------------------------
+
+_OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "append", "truncate", "free", "reset", "drain"]), st.integers(0, 2**16)
+    ),
+    max_size=40,
+)
+
+
+def _cached_keys(manager: KVCacheManager) -> set[bytes]:
+    """The keys the manager's prefix cache holds, read through its public ``key_of``."""
+    cache = manager.prefix_cache
+    assert cache is not None
+    keys = (cache.key_of(block_id) for block_id in range(manager.pool.num_blocks))
+    return {key for key in keys if key is not None}
+
+
+def _step(manager: KVCacheManager, operation: str, draw: int, serial: int) -> None:
+    """One step of a workload drawn from ``draw``: prompts over three token ids, so prefixes repeat."""
+    live = manager.seq_ids
+    if operation == "add" or (not live and operation in ("append", "truncate", "free")):
+        seq_id = f"s{serial}"
+        prompt = [(draw >> (2 * i)) % 3 for i in range(2 + draw % 7)]
+        num_hit = manager.add_sequence(seq_id, prompt)
+        if manager.can_reserve({seq_id: prompt[num_hit:]}):
+            _write(manager, seq_id, prompt[num_hit:])
+        else:
+            manager.free(seq_id)
+        return
+    if operation == "reset":
+        for seq_id in live:
+            manager.free(seq_id)
+        manager.reset_prefix_cache()
+        return
+    seq_id = live[draw % len(live)]
+    if operation == "append" and manager.can_reserve({seq_id: [draw % 3]}):
+        _write(manager, seq_id, [draw % 3])
+    elif operation == "truncate":
+        with contextlib.suppress(SequenceStateError):  # refused: tokens already left the window
+            manager.truncate(seq_id, draw % (manager.num_tokens(seq_id) + 1))
+    elif operation == "free":
+        manager.free(seq_id)
+
+
+@given(
+    operations=_OPERATIONS,
+    max_events=st.integers(1, 4),
+    max_size=st.sampled_from([None, 4]),
+)
+def test_an_index_rebuilt_from_the_drained_stream_alone_is_right_after_every_drain_even_past_overflow(
+    operations: list[tuple[str, int]], max_events: int, max_size: int | None
+) -> None:
+    manager = make(6, kv_events=max_events, max_size=max_size)
+    index = PrefixIndex()
+    buffer = manager.kv_events
+    assert buffer is not None
+    for serial, (operation, draw) in enumerate([*operations, ("drain", 0)]):
+        note(f"{operation} {draw}")
+        if operation != "drain":
+            _step(manager, operation, draw, serial)
+            buffer.check_invariants()
+            continue
+        resync = buffer.resync_pending
+        events = manager.drain_kv_events()
+        if resync:
+            _assert_parents_come_first(events)
+        index.apply(events)
+        assert index.hashes == _cached_keys(manager), "the index rebuilt from events is not the cache's keys"
+        manager.check_invariants()
+
+
+def _assert_parents_come_first(events: list[KVEvent]) -> None:
+    """No ``BlockStored`` of a resync names a parent that a later event of it stores."""
+    stored_later: set[bytes] = set()
+    for event in reversed(events):
+        if isinstance(event, BlockStored):
+            assert event.parent_block_hash not in stored_later, "a child is replayed before its parent"
+            stored_later.update(event.block_hashes)

@@ -164,5 +164,98 @@ def test_bad_arguments_are_refused() -> None:
         ZmqEventPublisher("tcp://127.0.0.1:*", buffer_steps=0)
     with pytest.raises(InputTypeError, match="topic"):
         ZmqEventPublisher("tcp://127.0.0.1:*", topic=b"kv")  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match="resync must be a callable"):
+        ZmqEventPublisher("tcp://127.0.0.1:*", resync="request_resync")  # type: ignore[arg-type]
     with pytest.raises(InputTypeError, match="not a KV event"):
         encode_batch(["BlockStored"], ts=0.0)  # type: ignore[list-item]
+
+
+def _cached_keys(manager: Any) -> set[bytes]:
+    """The keys the manager's prefix cache holds, read through its public ``key_of``."""
+    keys = (manager.prefix_cache.key_of(block_id) for block_id in range(manager.pool.num_blocks))
+    return {key for key in keys if key is not None}
+
+
+def _subscribe(context: Any, publisher: ZmqEventPublisher) -> Any:
+    """A SUB socket that has joined: publish ``AllBlocksCleared`` batches until one arrives (slow joiner)."""
+    from pagedkv.events import AllBlocksCleared as Cleared
+
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(publisher.endpoint)
+    for _ in range(100):
+        publisher.publish([Cleared()])
+        if sub.poll(50):
+            while sub.poll(50):  # the joining batches (all AllBlocksCleared): nothing to index
+                sub.recv_multipart()
+            return sub
+    raise AssertionError("the subscriber never joined")
+
+
+def test_a_subscriber_s_index_is_right_after_every_batch_through_buffer_overflows() -> None:
+    manager = make(8, kv_events=2)  # a tiny buffer: most drains follow an overflow
+    buffer = manager.kv_events
+    rng = np.random.default_rng(5)
+    with ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv") as publisher:
+        context = zmq.Context()
+        sub = _subscribe(context, publisher)
+        index, expected_seq = PrefixIndex(), publisher.next_seq
+        for step in range(60):
+            seq_id = f"s{step}"
+            prompt = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(2, 9)))]
+            num_hit = manager.add_sequence(seq_id, prompt)
+            if manager.can_reserve({seq_id: prompt[num_hit:]}):
+                batch = manager.reserve({seq_id: prompt[num_hit:]})
+                kv = np.ones((batch.num_tokens, 1, 2))
+                manager.write(0, batch, kv, kv)
+            for live in manager.seq_ids[: -2 if rng.integers(0, 2) else None]:
+                manager.free(live)
+            if rng.integers(0, 3) and publisher.publish(manager.drain_kv_events()) is not None:
+                assert sub.poll(5000)
+                _, seq, payload = sub.recv_multipart()
+                assert int.from_bytes(seq, "big") == expected_seq  # no gap on the wire
+                expected_seq += 1
+                index.apply(_as_pagedkv(DECODER.decode(payload)))
+                assert index.hashes == _cached_keys(manager)
+        sub.close()
+        context.term()
+    assert buffer is not None and buffer.num_overflows > 0 and buffer.num_resyncs > 0
+
+
+def test_a_replay_request_for_batches_no_longer_kept_resyncs_the_next_batch() -> None:
+    from pagedkv.events import AllBlocksCleared as Cleared
+
+    manager = make(8, kv_events=True)
+    buffer = manager.kv_events
+    assert buffer is not None
+    with ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv",
+                           buffer_steps=2, resync=buffer.request_resync) as publisher:
+        for step in range(4):  # batches 0..3; only 2 and 3 are kept
+            manager.add_sequence(f"s{step}", [step, step])
+            batch = manager.reserve({f"s{step}": [step, step]})
+            kv = np.ones((2, 1, 2))
+            manager.write(0, batch, kv, kv)
+            publisher.publish(manager.drain_kv_events())
+        context = zmq.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        assert publisher.replay_endpoint is not None
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))  # a subscriber that missed everything
+        assert publisher.serve_replay(timeout_ms=5000) == 1
+        replayed = []
+        while True:
+            assert dealer.poll(5000)
+            _, _, seq, _ = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            replayed.append(int.from_bytes(seq, "big"))
+        dealer.close()
+        context.term()
+        assert replayed == [2, 3] and publisher.num_replay_gaps == 1 and buffer.resync_pending
+        events = manager.drain_kv_events()
+    assert isinstance(events[0], Cleared)
+    index = PrefixIndex()
+    index.apply(events)  # the resync alone rebuilds the index from empty
+    assert index.hashes == _cached_keys(manager) and len(index) == 4

@@ -66,6 +66,7 @@ from support.windows import visible
 
 import pagedkv.prefix_sharing
 from pagedkv import KVCacheManager, SequenceState
+from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import (
     DuplicateSequenceError,
     PoolExhaustedError,
@@ -222,6 +223,8 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     def try_prefill(self, seq_id: Hashable, rest: list[int], split: int) -> bool:
         """Feed ``rest`` in one or two chunks; False (nothing reserved) if it does not fit."""
+        if not rest:  # a sequence truncated to nothing, resumed: nothing to re-feed
+            return True
         chunks = [rest[:split], rest[split:]] if 0 < split < len(rest) else [rest]
         for chunk in chunks:
             request = {seq_id: chunk}
@@ -335,6 +338,22 @@ class PrefixCachingMachine(RuleBasedStateMachine):
         note(f"decode {seq_id} {token}")
         self.try_prefill(seq_id, [token], 0)
 
+    @rule(data=st.data())
+    def decode_every_running_sequence(self, data: st.DataObject) -> None:
+        """An engine's decode step: one token for every running sequence, in one reservation if it
+        fits, else one sequence at a time (those that do not fit wait)."""
+        manager = self.manager
+        running = [s for s in self.tokens if manager.state(s) is SequenceState.RUNNING]
+        if not running:
+            return
+        chunks = {seq_id: [data.draw(st.sampled_from(self.alphabet))] for seq_id in running}
+        note(f"decode every running sequence: {chunks}")
+        if manager.can_reserve(chunks):
+            self.run_step(chunks)
+            return
+        for seq_id, token in chunks.items():
+            self.try_prefill(seq_id, token, 0)
+
     @rule(seq_id=seqs, data=st.data())
     def abandon_half_written_step(self, seq_id: Hashable, data: st.DataObject) -> None:
         """Reserve, write all layers but the last, cancel: nothing of the step may be keyed."""
@@ -361,6 +380,88 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             )
         manager.cancel_reservation(seq_id)
         assert manager.num_tokens(seq_id) == len(history)
+
+    @rule(seq_id=seqs, data=st.data())
+    def truncate(self, seq_id: Hashable, data: st.DataObject) -> None:
+        """Roll back to a drawn length, often into a full, keyed block another sequence shares.
+
+        Issue 27: a truncate into a shared keyed block kept its key; once the
+        other holder left, the next append wrote into the keyed block in
+        place, and a later hit read the wrong k/v.
+        """
+        manager = self.manager
+        before = manager_state(manager)
+        if manager.state(seq_id) is not SequenceState.RUNNING:
+            with pytest.raises(SequenceStateError, match="not running"):
+                manager.truncate(seq_id, 0)
+            assert manager_state(manager) == before
+            return
+        history = self.tokens[seq_id]
+        table = manager.block_table(seq_id)
+        into_shared = self.cuts_into_shared_keyed_blocks(seq_id)
+        if into_shared and data.draw(st.booleans()):
+            num_tokens = data.draw(st.sampled_from(into_shared))
+        else:
+            num_tokens = data.draw(st.integers(0, len(history)))
+        # The token after the kept ones attends from ``needed`` on: it must still be held.
+        needed = self.num_sink_tokens if self.window is None else max(
+            self.num_sink_tokens, num_tokens + 1 - self.window
+        )
+        if num_tokens < len(history) and needed < table.window_start:
+            with pytest.raises(SequenceStateError, match="left the window"):
+                manager.truncate(seq_id, num_tokens)
+            assert manager_state(manager) == before
+            return
+        note(f"truncate {seq_id} to {num_tokens} of {len(history)}")
+        manager.truncate(seq_id, num_tokens)
+        del history[num_tokens:]
+        assert manager.num_tokens(seq_id) == num_tokens
+
+    @rule(seq_id=seqs, data=st.data())
+    def roll_back_into_a_shared_block_then_go_on_alone(self, seq_id: Hashable, data: st.DataObject) -> None:
+        """Issue 27 in one rule: cut into a keyed block others hold full, preempt them, decode.
+
+        The decoded token differs from the one cut off, so a block written under
+        its old key would hold other k/v than the key names (the content checks
+        see it) and a later hit would read them.
+        """
+        manager = self.manager
+        if manager.state(seq_id) is not SequenceState.RUNNING:
+            return
+        into_shared = self.cuts_into_shared_keyed_blocks(seq_id)
+        if not into_shared:
+            return
+        num_tokens = data.draw(st.sampled_from(into_shared))
+        history = self.tokens[seq_id]
+        block_id = manager.block_table(seq_id).block_id(num_tokens // self.block_size)
+        note(f"truncate {seq_id} to {num_tokens} of {len(history)}, into shared block {block_id}")
+        cut_off = history[num_tokens]
+        manager.truncate(seq_id, num_tokens)
+        del history[num_tokens:]
+        for other in list(self.tokens):
+            if other != seq_id and manager.state(other) is SequenceState.RUNNING and (
+                block_id in manager.block_table(other).block_ids
+            ):
+                self.preempt(other, "recompute")
+        token = data.draw(st.sampled_from([t for t in self.alphabet if t != cut_off]))
+        self.try_prefill(seq_id, [token], 0)
+
+    def cuts_into_shared_keyed_blocks(self, seq_id: Hashable) -> list[int]:
+        """Lengths ``seq_id`` could be truncated to that cut into a keyed block another sequence holds."""
+        manager = self.manager
+        table = manager.block_table(seq_id)
+        allocator, prefix, bs = manager.pool.allocator, prefix_of(manager), self.block_size
+        cuts = []
+        for num_tokens in range(1, table.num_tokens):
+            # The token after the kept ones attends from ``needed`` on: it must still be held.
+            needed = self.num_sink_tokens if self.window is None else max(
+                self.num_sink_tokens, num_tokens + 1 - self.window
+            )
+            if num_tokens % bs and table.holds_block(num_tokens // bs) and needed >= table.window_start:
+                block_id = table.block_id(num_tokens // bs)
+                if prefix.key_of(block_id) is not None and allocator.is_shared(block_id):
+                    cuts.append(num_tokens)
+        return cuts
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent: Hashable) -> Any:
@@ -643,3 +744,26 @@ def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
             _planted(block_keys)
     finally:
         pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix = original  # type: ignore[method-assign]
+
+
+def _appends_in_place(self: BlockAllocator, block_id: int, num_dropped: int = 0) -> bool:
+    """The copy rule before issue 27: copy a partly filled last block only when shared."""
+    return self.ref_count(block_id) - num_dropped > 1
+
+
+def test_machine_catches_an_append_into_a_truncated_keyed_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug (issue 27): a truncate cut into a keyed block another sequence held full; once
+    that one left, the next append wrote into the keyed block in place. Caught by
+    ``check_invariants`` (a keyed block held partly with no copy ahead) or the content checks."""
+    monkeypatch.setattr(BlockAllocator, "must_copy_before_append", _appends_in_place)
+    with pytest.raises(AssertionError):
+        _planted(block_keys)
+
+
+def test_machine_catches_it_by_contents_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same planted bug with the manager's own prefix check off: the machine's content and
+    output checks (a stale key, a wrong attend output) still see it."""
+    monkeypatch.setattr(BlockAllocator, "must_copy_before_append", _appends_in_place)
+    monkeypatch.setattr(PrefixSharing, "check_invariants", lambda self, records: None)
+    with pytest.raises(AssertionError):
+        _planted(block_keys)

@@ -139,3 +139,53 @@ def test_sweep_picture_without_kernel_cost_says_so(monkeypatch: pytest.MonkeyPat
     texts = [text.get_text() for text in axes[1].texts]
     assert texts == ["no kernel cost given\n(--kernel-cost PATH)"]
     assert not axes[1].get_lines()
+
+
+def _drawn_figure(monkeypatch: pytest.MonkeyPatch, module: Any, draw: Any) -> Any:
+    """Run ``draw()`` with ``module.save_figure`` keeping the figure; return it (closed by the caller)."""
+    drawn: list[Any] = []
+    monkeypatch.setattr(module, "save_figure", lambda plt, figure, path: drawn.append(figure) or path)
+    draw()
+    (figure,) = drawn
+    return figure
+
+
+def test_page_map_legend_names_only_the_states_in_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from pagedkv.simulate import plots
+
+    # One sample per request, no prefix caching: no forks, no shared or cached free blocks.
+    workload = synthetic("alpaca", 6, seed=0, max_model_len=256)
+    page_maps, _ = capture_page_maps(workload, SimConfig(Budget(256), block_size=4))
+    assert plots.page_map_states(page_maps) == {"one", "free"}
+    figure = _drawn_figure(monkeypatch, plots, lambda: plot_page_map(page_maps, "unused.png"))
+    labels = [text.get_text() for text in figure.legends[0].get_texts()]
+    plt.close(figure)
+    assert labels == ["held by one sequence (a colour per request)", "free"]
+
+
+def test_a_system_off_the_latency_scale_is_still_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from pagedkv.simulate import plots_serving
+    from pagedkv.simulate.ratesweep import rate_sweep
+
+    config = SimConfig(Budget(4096), block_size=16)
+    points = rate_sweep("alpaca", 12, config, (1.0, 2.0), ["paged", "contiguous"])
+    y_max = min(point.result.latency.normalised_mean for point in points) / 2  # every point off the scale
+    def draw() -> None:
+        plots_serving.plot_rate_sweep({"p": points}, "unused.png", y_max=y_max)
+
+    figure = _drawn_figure(monkeypatch, plots_serving, draw)
+    (axes,) = figure.axes
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    markers = [line for line in axes.get_lines() if line.get_marker() == "^" and len(line.get_xdata())]
+    plt.close(figure)
+    assert f"reserve max length (Orca (Max)): above {y_max:g} at every rate" in legend
+    assert f"off the scale (above {y_max:g})" in legend
+    # Each system's two points sit on the top edge as triangles, in its own colour.
+    assert sorted(line.get_color() for line in markers) == sorted(["#1565c0", "#6d4c41"])
+    assert all(list(line.get_ydata()) == [y_max, y_max] for line in markers)

@@ -45,6 +45,7 @@ from pagedkv.simulate.plots_sweep import plot_sweep
 from pagedkv.simulate.progress import Progress, wants_progress
 from pagedkv.simulate.ratesweep import format_rate_sweep, rate_sweep, sustained_rates
 from pagedkv.simulate.report import (
+    ProgressFactory,
     describe_config,
     format_report,
     format_sweep,
@@ -132,10 +133,13 @@ def _simulate(args: argparse.Namespace) -> int:
         return _cluster(args)
     workload = build_workload(args)
     config, model = build_config(args)
-    progress = stderr_progress() if _wants_progress(args) else no_progress
+    baseline = next((p for p in policies if p != "paged"), None)
+    num_runs = len(windows) * (len(block_sizes) + (baseline is not None)) if args.sweep else len(policies)
+    progress: ProgressFactory = no_progress
+    if _wants_progress(args):
+        progress = stderr_progress(num_runs=num_runs, what="run" if args.sweep else "policy")
     if args.sweep:
         kernel = build_kernel_cost(args)  # checked before any run: a bad file costs nothing
-        baseline = next((p for p in policies if p != "paged"), None)
         rows = sweep(workload, config, block_sizes, windows, baseline=baseline, progress=progress)
         if args.json:
             data = {

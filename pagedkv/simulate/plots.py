@@ -26,6 +26,7 @@ from pagedkv.simulate.result import PolicyResult
 
 __all__ = [
     "MissingExtraError",
+    "page_map_states",
     "plot_occupancy",
     "plot_page_map",
     "pyplot",
@@ -91,6 +92,7 @@ def plot_page_map(page_maps: Sequence[PageMap], path: str | Path, *, title: str 
         image[row, owned] = rgb
         image[row, page_map.owner == SHARED] = _SHARED_RGB
         image[row, (page_map.owner == FREE) & page_map.cached_free] = _CACHED_RGB
+    present = page_map_states(page_maps)
     figure, axes = plt.subplots(figsize=(10, 6.2), constrained_layout=True)
     steps = [page_map.step for page_map in page_maps]
     axes.imshow(
@@ -102,15 +104,46 @@ def plot_page_map(page_maps: Sequence[PageMap], path: str | Path, *, title: str 
     axes.set_xlabel(f"block id (pool of {num_blocks} blocks x {page_maps[0].block_size} token slots)")
     axes.set_ylabel("simulation step (time runs down)")
     axes.set_title(title or "Page map over time: which request holds each block")
+    swatches = {
+        "one": (colors[0], "held by one sequence (a colour per request)"),
+        "forks": (colors[0] * 0.55, "shared by a request's forks (darker)"),
+        "shared": (_SHARED_RGB, "shared by several requests (prefix cache)"),
+        "cached free": (_CACHED_RGB, "cached free (a prefix hit can take it back)"),
+        "free": (_FREE_RGB, "free"),
+    }
     handles = [
-        Patch(facecolor=colors[0], edgecolor="0.3", label="held by one sequence (a colour per request)"),
-        Patch(facecolor=colors[0] * 0.55, edgecolor="0.3", label="shared by a request's forks (darker)"),
-        Patch(facecolor=_SHARED_RGB, edgecolor="0.3", label="shared by several requests (prefix cache)"),
-        Patch(facecolor=_CACHED_RGB, edgecolor="0.3", label="cached free (a prefix hit can take it back)"),
-        Patch(facecolor=_FREE_RGB, edgecolor="0.3", label="free"),
+        Patch(facecolor=rgb, edgecolor="0.3", label=label)
+        for state, (rgb, label) in swatches.items()
+        if state in present  # a legend names only what the picture shows
     ]
     figure.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     return save_figure(plt, figure, path)
+
+
+def page_map_states(page_maps: Sequence[PageMap]) -> set[str]:
+    """The block states that occur in ``page_maps``, as :func:`plot_page_map` colours them.
+
+    ``"one"`` (held by one sequence), ``"forks"`` (shared by one request's
+    forks), ``"shared"`` (several requests), ``"cached free"`` and ``"free"``.
+
+    >>> from pagedkv.simulate import Budget, Request, SimConfig, Workload
+    >>> maps, _ = capture_page_maps(Workload((Request(0, 6, 2, n=2),)), SimConfig(Budget(16), block_size=4))
+    >>> sorted(page_map_states(maps))
+    ['forks', 'free', 'one']
+    """
+    present: set[str] = set()
+    for page_map in page_maps:
+        owned = page_map.owner >= 0
+        free = page_map.owner == FREE
+        states = {
+            "one": bool(np.any(owned & (page_map.num_refs <= 1))),
+            "forks": bool(np.any(owned & (page_map.num_refs > 1))),
+            "shared": bool(np.any(page_map.owner == SHARED)),
+            "cached free": bool(np.any(free & page_map.cached_free)),
+            "free": bool(np.any(free & ~page_map.cached_free)),
+        }
+        present |= {state for state, occurs in states.items() if occurs}
+    return present
 
 
 def plot_occupancy(

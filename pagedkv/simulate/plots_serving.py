@@ -61,15 +61,24 @@ def plot_rate_sweep(
     plt = pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), constrained_layout=True)
     for ax, (name, points) in zip(np.atleast_1d(axes), panels.items()):
+        any_off_scale = False
         for system, series in _by_system(points).items():
+            rates = np.array([p.rate for p in series])
+            latency = np.array([p.result.latency.normalised_mean for p in series])
+            label = _LABELS.get(system, system)
+            off_scale = latency > y_max
+            if off_scale.all():
+                label += f": above {y_max:g} at every rate"
+            (line,) = ax.plot(rates, latency, "o-", color=_COLORS.get(system), label=label, markersize=4)
+            # NOTE: a system whose every point is above y_max would have a legend entry and no line;
+            # its points off the scale are drawn as triangles on the top edge instead.
             ax.plot(
-                [p.rate for p in series],
-                [p.result.latency.normalised_mean for p in series],
-                "o-",
-                color=_COLORS.get(system),
-                label=_LABELS.get(system, system),
-                markersize=4,
-            )
+                rates[off_scale], np.full(int(off_scale.sum()), y_max), "^",
+                color=line.get_color(), markersize=6, clip_on=False, in_layout=False,
+            )  # fmt: skip
+            any_off_scale |= bool(off_scale.any())
+        if any_off_scale:
+            ax.plot([], [], "^", color="0.4", label=f"off the scale (above {y_max:g})")
         ax.set_ylim(0, y_max)
         ax.set_xlabel("request rate (requests per model second, Poisson)")
         ax.set_ylabel("normalised latency (s per output token)")

@@ -49,9 +49,24 @@ def no_progress(label: str, total: int) -> Progress | None:
     return None
 
 
-def stderr_progress(stream: TextIO | None = None) -> ProgressFactory:
-    """A factory of progress bars on ``stream`` (stderr by default)."""
-    return lambda label, total: Progress(label, total, stream=stream or sys.stderr)
+def stderr_progress(
+    stream: TextIO | None = None, *, num_runs: int | None = None, what: str = "policy"
+) -> ProgressFactory:
+    """A factory of progress bars on ``stream`` (stderr by default), one bar per run.
+
+    With ``num_runs``, each bar says which run it is: ``"policy 2 of 4: contiguous"``
+    (``what`` names a run: ``"policy"``, ``"run"``).
+    """
+    num_made = 0
+
+    def make(label: str, total: int) -> Progress:
+        nonlocal num_made
+        num_made += 1
+        if num_runs is not None:
+            label = f"{what} {num_made} of {num_runs}: {label}"
+        return Progress(label, total, stream=stream or sys.stderr)
+
+    return make
 
 
 def run_policy(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+import sys
 from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
 
@@ -223,6 +224,23 @@ def seq_id_json(seq_id: Hashable) -> list[Any]:
     """A sequence id as JSON, tagged so an int and its digits stay apart: ``["s", "7"]``, ``["i", 7]``."""
     if isinstance(seq_id, str):
         return ["s", seq_id]
-    if is_int(seq_id):
+    if isinstance(seq_id, int) and not isinstance(seq_id, bool):  # is_int, spelled out for mypy
+        _check_int_digits(seq_id)
         return ["i", seq_id]
     fail(f"sequence id {seq_id!r} is a {type(seq_id).__name__}; only str and int ids can be saved")
+
+
+def _check_int_digits(seq_id: int) -> None:
+    """Fail if JSON cannot write ``seq_id``'s decimal digits (Python's int-to-str digit limit).
+
+    Its ``repr`` fails the same way, so the message shows it in hex, which has no limit.
+    """
+    try:
+        str(seq_id)
+    except ValueError:
+        digits = format(abs(seq_id), "x")
+        fail(
+            f"sequence id {'-' if seq_id < 0 else ''}0x{digits[:16]}... ({seq_id.bit_length()} bits) "
+            f"has more than {sys.get_int_max_str_digits()} decimal digits, more than JSON may write; "
+            "only ids of fewer digits (or str ids) can be saved"
+        )

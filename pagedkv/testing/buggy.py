@@ -12,19 +12,26 @@ long, wrong in exactly one way that real KV caches get wrong:
 ``NaiveSoftmax``       ``exp(score)`` without subtracting the maximum: overflows
 ``FreesBlockEarly``    paged (numpy, block_size 2): frees its oldest block when the
                        block's first token is evicted, while its second is cached
+``KeepsTokensOnClass`` keeps its tokens in lists in the class body, shared by every
+                       instance: a cache fails only after another one ran
 =====================  =============================================================
 
 Every one of them passes the seed's own example, which is the point:
 
 >>> {cls().attend([1.0], [1.0], [42.0])[0] for cls in PLANTED_BUGS.values()}
 {42.0}
+
+``KeepsTokensOnClass`` is not in :data:`PLANTED_BUGS`: its first instance is
+right, and each later one sees its predecessors' tokens, so whether it fails
+depends on what ran before in the same process; the kit must say so rather
+than print a program that passes when run alone.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +41,7 @@ __all__ = [
     "DropsCurrentToken",
     "EvictsAfterScoring",
     "FreesBlockEarly",
+    "KeepsTokensOnClass",
     "NaiveSoftmax",
     "SeedCache",
     "WindowOneTooLong",
@@ -192,6 +200,33 @@ class FreesBlockEarly:
             raise AssertionError(f"blocks {sorted(both)} are both free and in the block table")
         if len(self) != self.num_tokens - self.first or len(self) < 0:
             raise AssertionError(f"len {len(self)} disagrees with the counters")
+
+
+class KeepsTokensOnClass:
+    """Planted bug: its keys and values are lists in the class body, so every instance shares them.
+
+    Python's classic slip: ``keys = []`` at class level is one list for the
+    class, not one per instance. The first cache built in a process is right;
+    every later one starts with the tokens of all before it.
+    """
+
+    # BUG: class attributes, one list for every instance; __init__ must make its own.
+    keys: ClassVar[list[Vector]] = []
+    values: ClassVar[list[Vector]] = []
+
+    def __init__(self, max_size: int | None = None) -> None:
+        self.max_size = max_size
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def attend(self, q: Vector, k: Vector, v: Vector) -> list[float]:
+        """Append ``k``/``v`` (to the shared lists), evict past ``max_size``, attend."""
+        self.keys.append(list(k))
+        self.values.append(list(v))
+        if self.max_size is not None and len(self.keys) > self.max_size:
+            del self.keys[0], self.values[0]
+        return _attention(q, self.keys, self.values)
 
 
 #: The planted bugs, each with what the machine's diagnosis should say about it.

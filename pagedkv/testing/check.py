@@ -36,6 +36,7 @@ __all__ = [
     "load_factory",
     "main",
     "parse_max_sizes",
+    "require_hypothesis",
     "run_check",
 ]
 
@@ -107,6 +108,21 @@ def _heads(text: str) -> tuple[str, ...]:
             )
         layouts += [layout for layout in _HEADS[item.strip()] if layout not in layouts]
     return tuple(layouts)
+
+
+def require_hypothesis() -> None:
+    """Check that Hypothesis imports, which the state machine needs.
+
+    Raises:
+        UsageError: it does not; the message names the extra that brings it.
+    """
+    try:
+        import hypothesis  # noqa: F401 - imported to see that it can be
+    except ImportError as error:
+        raise UsageError(
+            f"the conformance state machine needs Hypothesis, which did not import ({error}); "
+            'install the test extra: pip install "pagedkv[test]"'
+        ) from None
 
 
 def check_token_size(heads: Sequence[str], head_dim: int, max_heads: int) -> None:
@@ -279,14 +295,12 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         check_token_size(args.heads, args.head_dim, args.max_heads)
         factory = load_factory(args.spec)
+        require_hypothesis()
         from hypothesis import strategies as st
 
         from pagedkv.testing.stateful import check_cache
         from pagedkv.testing.strategies import shapes
     except UsageError as error:
-        print(f"pagedkv check: error: {error}", file=sys.stderr)
-        return 2
-    except ImportError as error:  # Hypothesis is missing
         print(f"pagedkv check: error: {error}", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
@@ -321,6 +335,8 @@ def run_check(args: argparse.Namespace) -> int:
             print(f"pagedkv check: error: {message}", file=sys.stderr)
             return 2
         print(f"Wrote the failing program to {args.output}.")
+    elif not verdict.passed and args.output:
+        print(f"Wrote nothing to {args.output}: no program fails alone, see above.")
     return 0 if verdict.passed else 1
 
 

@@ -85,7 +85,8 @@ class ContractError(AssertionError):
         super().__init__(summary)
         self.summary = summary
         #: What broke: ``"output"``, ``"shape"``, ``"non-finite"``, ``"len"``,
-        #: ``"invariants"``, ``"factory"`` or ``"raised <ErrorType>"``.
+        #: ``"invariants"``, ``"factory"``, ``"raised <ErrorType>"``, or ``"verdict"``
+        #: (a whole run's report, from ``Verdict.assert_passed()``).
         self.kind = kind
         self._explain = explain
         self._explanation: str | None = None

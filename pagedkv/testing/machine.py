@@ -186,6 +186,16 @@ class MachineRun:
     failure: Failure | None = None
 
 
+class _KitTestCase:
+    """``Machine.TestCase``, built by :func:`~pagedkv.testing.stateful.machine_test_case`."""
+
+    def __get__(self, instance: object, owner: type[CacheMachine]) -> Any:
+        # NOTE: imported here because stateful imports this module.
+        from pagedkv.testing.stateful import machine_test_case
+
+        return machine_test_case(owner)
+
+
 class CacheMachine(RuleBasedStateMachine):
     """One example's state: the caches under test, each beside its oracle, and the steps so far.
 
@@ -206,6 +216,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     #: The frozen options of a class from :func:`make_cache_machine`; an instance may be given others.
     options: MachineOptions
+    #: A ``unittest.TestCase`` that runs the machine as ``pagedkv check`` does: the
+    #: kit's shrinker, and the verdict's report as the failure (not Hypothesis's).
+    TestCase = _KitTestCase()
 
     def __init__(self, options: MachineOptions | None = None, run: MachineRun | None = None) -> None:
         super().__init__()

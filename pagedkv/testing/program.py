@@ -7,6 +7,10 @@ wrapped in :class:`~pagedkv.testing.contract.CheckedCache`, and replays the
 ``attend`` calls with their exact float values; the last line raises the same
 error. No Hypothesis is needed to run it.
 
+:func:`replay_alone` runs a printed program in a new Python process, as a
+reader would, to learn whether it fails on its own or only after earlier runs
+left state behind (in a class attribute, a module global).
+
 Running a step is defined once, here (:func:`open_step`, :func:`attend_step`):
 the state machine, :func:`replay` and the shrinker all go through it. Naming
 the factory in the program's imports is :mod:`~pagedkv.testing.factory_code`'s
@@ -27,6 +31,9 @@ cache_0.attend([0.0], [0.0], [1.0])  # oracle: [1.0]  <- fails here
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ from pagedkv.testing.contract import CheckedCache, ContractError, Precision
 from pagedkv.testing.factory_code import FactoryCode
 
 __all__ = [
+    "AloneRun",
     "AttendStep",
     "CloseStep",
     "Feed",
@@ -46,6 +54,7 @@ __all__ = [
     "open_step",
     "render_program",
     "replay",
+    "replay_alone",
 ]
 
 #: How tokens reach the cache: nested Python lists (the seed), or numpy arrays.
@@ -298,3 +307,71 @@ def replay(
                     with suppress(Exception):
                         closer()
     return None
+
+
+# ------------------------------------------------------ replaying a program alone
+
+#: Seconds a printed program may run in its new process before the replay gives up.
+ALONE_TIMEOUT_S = 60.0
+
+# Runs the program from stdin; a ContractError exits 3 with its kind on stdout, so
+# "failed the same way" is told apart from a program that cannot even start.
+_ALONE_RUNNER = """\
+import sys
+from pagedkv.testing.contract import ContractError
+source = sys.stdin.read()
+try:
+    exec(compile(source, "<the failing program>", "exec"), {"__name__": "__main__"})
+except ContractError as error:
+    sys.stdout.write(error.kind)
+    sys.exit(3)
+"""
+
+
+@dataclass(frozen=True)
+class AloneRun:
+    """What a printed program did when run alone in a new Python process.
+
+    Args:
+        outcome: ``"failed"`` (raised :class:`ContractError`), ``"passed"`` (ran
+            clean) or ``"not run"`` (could not start or finish: an import failed,
+            another error, a timeout).
+        kind: the :class:`ContractError`'s kind when it failed.
+        detail: why it could not run (the last line of its error), else ``""``.
+    """
+
+    outcome: Literal["failed", "passed", "not run"]
+    kind: str | None = None
+    detail: str = ""
+
+
+def replay_alone(source: str, *, timeout_s: float = ALONE_TIMEOUT_S) -> AloneRun:
+    """Run a program from :func:`render_program` in a new Python process, nothing shared.
+
+    NOTE: replays in this process see whatever the cache left in its class or
+    module during the run (a class attribute shared by all instances), so a
+    program can fail here and not in the reader's hands. A new process has no
+    such state; it gets this process's ``sys.path`` and working directory, so
+    the factory imports as it did here.
+
+    Args:
+        source: the program.
+        timeout_s: give up after this many seconds.
+
+    Returns:
+        The :class:`AloneRun`.
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _ALONE_RUNNER],
+            input=source, capture_output=True, text=True, timeout=timeout_s, env=env,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return AloneRun("not run", detail=f"{type(error).__name__}: {error}")
+    if result.returncode == 3:
+        return AloneRun("failed", kind=result.stdout.strip())
+    if result.returncode == 0:
+        return AloneRun("passed")
+    lines = result.stderr.strip().splitlines()
+    return AloneRun("not run", detail=lines[-1] if lines else f"exit status {result.returncode}")

@@ -10,7 +10,9 @@ failing program as runnable Python. :func:`check_cache` does both.
 
 Each run gets its own :class:`~pagedkv.testing.machine.MachineRun`, handed to
 every example's machine, so runs in one process never share counts or
-failures, even one started inside another.
+failures, even one started inside another. A failing program is replayed
+alone in a new Python process before it is reported, so a failure that needs
+state left by earlier examples is reported as that, not as a program that passes.
 
 >>> from pagedkv.testing.buggy import SeedCache
 >>> check_cache(SeedCache, max_examples=5, seed=0).passed
@@ -19,9 +21,12 @@ True
 
 from __future__ import annotations
 
+import functools
 import random
 import time
+import unittest
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 try:
@@ -41,7 +46,7 @@ from pagedkv.testing.machine import (
     RunStats,
     make_cache_machine,
 )
-from pagedkv.testing.program import AttendStep, Feed, Step
+from pagedkv.testing.program import AttendStep, Feed, Step, replay_alone
 from pagedkv.testing.shrink import shrink_program
 from pagedkv.testing.verdict import Verdict
 
@@ -53,6 +58,7 @@ __all__ = [
     "RunStats",
     "Verdict",
     "check_cache",
+    "machine_test_case",
     "make_cache_machine",
     "run_cache_machine",
 ]
@@ -102,6 +108,64 @@ def _shrink(options: MachineOptions, steps: list[Step]) -> tuple[list[Step], Con
     return shrunk, final
 
 
+#: What a failure that needs earlier runs' state is reported as, instead of a program.
+DEPENDS_ON_EARLIER_RUNS = (
+    "The failure depends on state left by earlier runs (e.g. class or module state); "
+    "the program does not fail alone.\nRun in a new Python process, neither the shrunk "
+    "program nor the whole failing example failed. Look for state the cache keeps outside "
+    "its instance: a class attribute (a list in the class body is shared by every "
+    "instance), a module global, a cache keyed by id(). Replaying the run with its seed "
+    "runs the earlier examples too."
+)
+
+
+@dataclass(frozen=True)
+class _Reported:
+    """The failing program to report, once checked alone in a new process."""
+
+    message: str
+    program: list[Step] | None
+    fails_alone: bool | None
+
+
+def _check_alone(
+    options: MachineOptions,
+    shrunk: list[Step],
+    message: str,
+    original: list[Step],
+    original_message: str,
+    kind: str | None,
+) -> _Reported:
+    """Replay the shrunk program alone in a new process; if it passes there, the whole example.
+
+    NOTE: the shrinker replays in this process, where a cache that keeps state
+    on its class sees every earlier replay's leftovers: the program it leaves
+    can fail here and pass in the reader's hands (even with 0 calls). Only a
+    new process says whether a program fails on its own.
+    """
+
+    def fails(program: list[Step], failure: str, same_kind: str | None) -> bool | None:
+        alone = replay_alone(options.render(program, failure))
+        if alone.outcome == "not run":
+            return None
+        return alone.outcome == "failed" and (same_kind is None or alone.kind == same_kind)
+
+    shrunk_alone = fails(shrunk, message, kind)
+    if shrunk_alone is None:
+        note = "(Could not run the program in a new Python process to check it fails alone.)"
+        return _Reported(f"{message}\n{note}", shrunk, None)
+    if shrunk_alone:
+        return _Reported(message, shrunk, True)
+    if fails(original, original_message, None):  # it may fail earlier alone: any failure
+        note = (
+            "(Not shrunk: the shrunk program did not fail alone in a new Python process, so this "
+            "is the whole failing example; the cache keeps state between instances.)"
+        )
+        return _Reported(f"{original_message}\n{note}", original, True)
+    in_process = f"In this process, after earlier examples, it failed with:\n{message}"
+    return _Reported(f"{DEPENDS_ON_EARLIER_RUNS}\n\n{in_process}", None, False)
+
+
 def _leaf(error: BaseException) -> BaseException:
     """The first real error inside exception groups (Flaky and multiple failures)."""
     inner = getattr(error, "exceptions", None)
@@ -127,6 +191,7 @@ def run_cache_machine(
     seed: int | None = None,
     steps: int | None = None,
     settings: hypothesis.settings | None = None,
+    fresh_process: bool = True,
 ) -> Verdict:
     """Run ``machine`` and return the verdict instead of raising.
 
@@ -137,6 +202,9 @@ def run_cache_machine(
         steps: most steps per example (default: the profile's ``stateful_step_count``).
         settings: Hypothesis settings to start from; by default the current profile
             without a database, quiet, one bug reported.
+        fresh_process: run a failing program alone in a new Python process
+            before reporting it (when the factory is importable), so a failure
+            that needs earlier examples' state is reported as that.
 
     Returns:
         The :class:`Verdict`.
@@ -164,7 +232,7 @@ def run_cache_machine(
         if getter is not None:
             hypothesis.seed(chosen)(getter(factory, settings=run_settings))()
         else:  # pragma: no cover - Hypothesis before get_state_machine_test: derandomized
-            hypothesis.stateful.run_state_machine_as_test(
+            hypothesis.stateful.run_state_machine_as_test(  # type: ignore[no-untyped-call]
                 factory, settings=hypothesis.settings(run_settings, derandomize=True)
             )
     except Exception as caught:
@@ -193,12 +261,12 @@ def run_cache_machine(
             "The failure did not happen again when its example was replayed: the cache keeps "
             "state between instances, or is not deterministic. The first error:\n" + message
         )
-    reproducer = None
-    num_program_steps = None
+    reported = _Reported(message, None, None)
     if run.failure is not None:
         recorded = run.failure.error
         if isinstance(recorded, ContractError) and not isinstance(error, Flaky):
             message = str(recorded)
+        original_message = message
         program, replayed = _shrink(options, run.failure.steps)
         if replayed is not None:
             message = str(replayed)
@@ -207,14 +275,22 @@ def run_cache_machine(
                 "\n(Replayed on its own, this program did not fail: the cache depends on "
                 "state from earlier examples, or is not deterministic.)"
             )
-        reproducer = options.render(program, message)
-        num_program_steps = sum(isinstance(step, AttendStep) for step in program)
+        kind = replayed.kind if replayed is not None else getattr(recorded, "kind", None)
+        reported = _Reported(message, program, None)
+        if fresh_process and options.factory_code is not None:
+            reported = _check_alone(
+                options, program, message, run.failure.steps, original_message, kind
+            )
+    final = reported.program
     return Verdict(
         passed=False,
-        failure=message,
-        reproducer=reproducer,
+        failure=reported.message,
+        reproducer=None if final is None else options.render(final, reported.message),
         first_failing_example=stats.first_failing_example,
-        num_program_steps=num_program_steps,
+        num_program_steps=(
+            None if final is None else sum(isinstance(step, AttendStep) for step in final)
+        ),
+        fails_alone=reported.fails_alone,
         **common,
     )
 
@@ -226,6 +302,7 @@ def check_cache(
     seed: int | None = None,
     steps: int | None = None,
     settings: hypothesis.settings | None = None,
+    fresh_process: bool = True,
     **options: Any,
 ) -> Verdict:
     """Build the machine for ``factory`` and run it: make_cache_machine, then run_cache_machine.
@@ -236,6 +313,7 @@ def check_cache(
         seed: the random seed (``None``: pick one).
         steps: most steps per example.
         settings: Hypothesis settings to start from.
+        fresh_process: replay a failing program alone in a new Python process.
         **options: passed to :func:`make_cache_machine` (``feed``, ``shapes``, ...).
 
     Returns:
@@ -243,5 +321,55 @@ def check_cache(
     """
     machine = make_cache_machine(factory, **options)
     return run_cache_machine(
-        machine, max_examples=max_examples, seed=seed, steps=steps, settings=settings
+        machine,
+        max_examples=max_examples,
+        seed=seed,
+        steps=steps,
+        settings=settings,
+        fresh_process=fresh_process,
     )
+
+
+def _test_case_settings(settings: hypothesis.settings) -> hypothesis.settings:
+    """A ``TestCase``'s settings as :func:`run_cache_machine` runs them: no shrink phase, quiet."""
+    loud = settings.verbosity in (Verbosity.verbose, Verbosity.debug)
+    return hypothesis.settings(
+        settings,
+        # NOTE: the kit's shrinker replaces Hypothesis's shrink phase, as in
+        # run_cache_machine's defaults: fewer steps left, in a tenth of the time.
+        phases=[phase for phase in settings.phases if phase is not Phase.shrink],
+        verbosity=settings.verbosity if loud else Verbosity.quiet,
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+
+
+@functools.cache
+def machine_test_case(machine: type[CacheMachine]) -> type[unittest.TestCase]:
+    """``machine.TestCase``: a test case that runs ``machine`` as ``pagedkv check`` does.
+
+    Hypothesis's own ``TestCase`` runs its shrink phase (tens of seconds on a
+    long run) and reports Hypothesis's falsifying example. This one runs
+    :func:`run_cache_machine` with the case's ``settings`` (less the shrink
+    phase) and fails with :meth:`Verdict.assert_passed`: the same shrinking and
+    the same report, runnable program included, as the command line.
+
+    Args:
+        machine: a class from :func:`make_cache_machine`.
+
+    Returns:
+        A ``unittest.TestCase`` subclass (the same one each time); assign its
+        ``settings`` to choose ``max_examples`` and the like.
+    """
+
+    class KitTestCase(unittest.TestCase):
+        settings = hypothesis.settings(deadline=None, suppress_health_check=list(HealthCheck))
+
+        def runTest(self) -> None:  # noqa: N802 - unittest's name
+            __tracebackhide__ = True  # pytest shows the report, not this frame
+            verdict = run_cache_machine(machine, settings=_test_case_settings(self.settings))
+            verdict.assert_passed()
+
+    KitTestCase.__name__ = f"{machine.__name__}.TestCase"
+    KitTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
+    return KitTestCase

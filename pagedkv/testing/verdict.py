@@ -1,7 +1,8 @@
 """The verdict of a conformance run: passed, with counts; or the failure and its shrunk program.
 
 :func:`~pagedkv.testing.stateful.run_cache_machine` returns one; ``report()``
-writes it for people, as ``pagedkv check`` prints it.
+writes it for people, as ``pagedkv check`` prints it; ``assert_passed()``
+raises that same report in a test suite.
 
 >>> verdict = Verdict(True, "mycache:make", 0, 5, 5, 40, 6, 0.1, ("the output against the oracle",))
 >>> print(verdict.report().splitlines()[0])
@@ -11,6 +12,8 @@ PASSED: mycache:make kept the seed contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pagedkv.testing.contract import ContractError
 
 __all__ = ["Verdict"]
 
@@ -34,6 +37,10 @@ class Verdict:
         reproducer: the shrunk example as a runnable Python program.
         first_failing_example: which example failed first (1-based).
         num_program_steps: ``attend`` calls in the shrunk program.
+        fails_alone: ``True`` when the program failed the same way run alone in
+            a new Python process; ``False`` when it did not (the failure depends
+            on state earlier runs left behind, and there is no program);
+            ``None`` when that was not tried (no importable factory) or could not be.
     """
 
     passed: bool
@@ -49,6 +56,7 @@ class Verdict:
     reproducer: str | None = None
     first_failing_example: int | None = None
     num_program_steps: int | None = None
+    fails_alone: bool | None = None
 
     def __bool__(self) -> bool:
         return self.passed
@@ -101,6 +109,23 @@ class Verdict:
         if rerun:
             lines += [f"Replay this run: {rerun}", ""]
         return "\n".join(lines)
+
+    def assert_passed(self) -> None:
+        """Raise the report if the cache broke the contract: the check for a test suite.
+
+        The message is :meth:`report`'s text, the shrunk program included, as
+        ``pagedkv check`` prints it, with the seed that replays the run.
+
+        Raises:
+            ContractError: the cache broke the seed contract (an ``AssertionError``,
+                so pytest and unittest report it as a failed test).
+
+        >>> Verdict(True, "mycache:make", 0, 5, 5, 40, 6, 0.1, ()).assert_passed()
+        """
+        __tracebackhide__ = True  # pytest shows the report, not this frame
+        if not self.passed:
+            rerun = f"pass seed={self.seed} (and the same options) to check_cache or run_cache_machine"
+            raise ContractError("\n" + self.report(rerun=rerun), kind="verdict")
 
     def __str__(self) -> str:
         return self.report()
