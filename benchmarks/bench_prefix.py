@@ -48,14 +48,14 @@ from common import header, table
 from threadpoolctl import threadpool_limits
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool
-from pagedkv.extra_keys import encode_extra_keys, field
-from pagedkv.prefix_cache import (
+from pagedkv.prefix.cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
     hash_function,
     token_bytes,
 )
+from pagedkv.prefix.keys import encode_extra_keys, field
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2048

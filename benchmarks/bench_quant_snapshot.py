@@ -40,9 +40,9 @@ import numpy as np
 from common import format_us, header, table
 from threadpoolctl import threadpool_limits
 
-import pagedkv.quantization as quantization
+import pagedkv.memory.quantization as quantization
 from pagedkv import KVCacheManager, KVPool, snapshot
-from pagedkv.quantization import QuantizedTokens, Tokens, attend_chunked, storage_format
+from pagedkv.memory.quantization import QuantizedTokens, Tokens, attend_chunked, storage_format
 
 NUM_HEADS = 8
 HEAD_DIM = 128

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.manager import KVCacheManager
+from pagedkv.manager.manager import KVCacheManager
 from pagedkv.simulate import Budget, ModelShape, SimConfig, parse_bytes, run_policy, synthetic
 from pagedkv.simulate.ratesweep import DEFAULT_RATES, rate_sweep
 from pagedkv.simulate.scheduler import SCHEDULERS

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-import pagedkv.step
+import pagedkv.manager.forward
 from pagedkv import KVCacheManager, KVPool
 from pagedkv.attention import attend_dense
 
@@ -191,9 +191,9 @@ class _DecodeProbe:
             for layer in range(self.num_layers):
                 manager.write(layer, batch, history.astype(np.float32), history.astype(np.float32))
         self.num_steps += 1
-        saved = pagedkv.step.attend_one_sequence
+        saved = pagedkv.manager.forward.attend_one_sequence
         if not self.fast_path:  # the general path: the fast path always declines
-            pagedkv.step.attend_one_sequence = lambda *args: None  # type: ignore[assignment]
+            pagedkv.manager.forward.attend_one_sequence = lambda *args: None  # type: ignore[assignment]
         try:
             start = time.perf_counter()
             batch = manager.reserve({"s": 1})
@@ -216,7 +216,7 @@ class _DecodeProbe:
                 times["kernel"].append(middle - start)
                 times["attend again"].append(end - middle)
         finally:
-            pagedkv.step.attend_one_sequence = saved
+            pagedkv.manager.forward.attend_one_sequence = saved
 
 
 def bench_overhead(num_steps: int, prompt: int, period: int) -> None:

@@ -46,9 +46,9 @@ from threadpoolctl import threadpool_limits
 
 from pagedkv import KVCache, KVPool
 from pagedkv.attention import attend_dense
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
+from pagedkv.memory.vmem import map_budget
 from pagedkv.paged_attention import attend_sequence
-from pagedkv.vmem import map_budget
 
 Array = npt.NDArray[np.float32]
 H, D, BS = 8, 128, 16

@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from pagedkv import KVCache, KVPool
 from pagedkv.attention import attend_dense
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.reference import attend_window
 
 __all__ = ["attend_einsum", "attend_per_head", "attend_per_head_staged", "check_bit_exact"]

@@ -9,9 +9,8 @@ changing an output, only the work it costs.
 [42.0]
 """
 
-from pagedkv.allocator import BlockAllocator
-from pagedkv.batch import Batch
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.allocator import BlockAllocator
+from pagedkv.blocks.table import BlockTable
 from pagedkv.cache import KVCache
 from pagedkv.errors import (
     BlockStateError,
@@ -34,10 +33,11 @@ from pagedkv.errors import (
     UnknownBlockError,
     UnknownSequenceError,
 )
-from pagedkv.manager import KVCacheManager, SequenceState
-from pagedkv.metrics import ManagerMetrics
-from pagedkv.pool import KVPool
-from pagedkv.reservation import ReservationPlan
+from pagedkv.manager.batch import Batch
+from pagedkv.manager.manager import KVCacheManager, SequenceState
+from pagedkv.manager.metrics import ManagerMetrics
+from pagedkv.manager.reserve import ReservationPlan
+from pagedkv.memory.pool import KVPool
 
 __version__ = "0.1.0"
 

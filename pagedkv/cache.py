@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.block_table import BlockTable, TableState
+from pagedkv.blocks.table import BlockTable, TableState
 from pagedkv.counts import check_count, check_max_size, window_blocks
 from pagedkv.errors import (
     ClosedCacheError,
@@ -38,10 +38,10 @@ from pagedkv.inputs import (
     like_input,
 )
 from pagedkv.locking import release_cache
+from pagedkv.memory.pages import choose_view_mode
+from pagedkv.memory.pool import KVPool
+from pagedkv.memory.quantization import check_storage_dtype, storage_format
 from pagedkv.paged_attention import attend_sequence
-from pagedkv.pages import choose_view_mode
-from pagedkv.pool import KVPool
-from pagedkv.quantization import check_storage_dtype, storage_format
 
 __all__ = ["CacheState", "KVCache"]
 
@@ -101,7 +101,7 @@ class KVCache:
         key_dtype: how keys are stored: None (in ``dtype``; the default, or
             the pool's), ``"int8"``, ``"float8_e4m3"``, ``"float16"`` or
             ``"bfloat16"`` (these two without scales; fp8 and bfloat16 need
-            the ``fp8`` extra); see :mod:`pagedkv.quantization`. ``dtype``
+            the ``fp8`` extra); see :mod:`pagedkv.memory.quantization`. ``dtype``
             stays the compute dtype.
         value_dtype: the same for values.
 

@@ -15,12 +15,12 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 
-from pagedkv.block_table import BlockTable
-from pagedkv.pool import KVPool
-from pagedkv.sequence import SequenceRegistry, SequenceState
+from pagedkv.blocks.table import BlockTable
+from pagedkv.manager.sequence import SequenceRegistry, SequenceState
+from pagedkv.memory.pool import KVPool
 
 if TYPE_CHECKING:
-    from pagedkv.prefix_sharing import PrefixSharing
+    from pagedkv.manager.prefix_sharing import PrefixSharing
 
 __all__ = ["locked", "release_cache", "release_manager", "run_or_defer"]
 

@@ -8,13 +8,13 @@ of a sequence with ``S`` sink tokens, in a layer with window ``W``, sees::
     S = 2, W = 3, p = 9:   [0 1] 2 3 4 5 6 [7 8 9]
 
 A single new token (decode) runs :func:`~pagedkv.attention.attend_dense` on
-exactly the tokens it sees, read by :meth:`~pagedkv.pool.KVPool.read` as a
+exactly the tokens it sees, read by :meth:`~pagedkv.memory.pool.KVPool.read` as a
 token-major ``(num_tokens, num_kv_heads, head_dim)`` array (a mapped view, a
 run of the storage, or a gather: the same numbers and strides each way), bit
 for bit what the no-cache recompute computes;
 several new tokens (a prefill chunk) run the masked kernel over what the
 table holds. A quantized pool runs the chunked kernels of
-:mod:`pagedkv.quantization` the same way, on the codes as stored.
+:mod:`pagedkv.memory.quantization` the same way, on the codes as stored.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attention import attend_dense, attend_dense_masked, attend_padded
-from pagedkv.block_table import BlockTable
-from pagedkv.pool import KVPool
-from pagedkv.quantization import attend_chunked, attend_chunked_masked
-from pagedkv.read_plan import ReadPlan
+from pagedkv.blocks.read_plan import ReadPlan
+from pagedkv.blocks.table import BlockTable
+from pagedkv.memory.pool import KVPool
+from pagedkv.memory.quantization import attend_chunked, attend_chunked_masked
 
 __all__ = ["attend_batch", "attend_decode_padded", "attend_sequence", "visible_ranges"]
 

@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.allocator``: block ids, ref counts and the free queue.
+"""Tests for ``pagedkv.blocks.allocator``: block ids, ref counts and the free queue.
 
 Free-queue states are drawn head first: ``free: [2, 3]`` means block 2 is
 handed out next.
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import pagedkv.allocator
+import pagedkv.blocks.allocator
 import pagedkv.counts
 import pagedkv.errors
-from pagedkv.allocator import BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import (
     BlockStateError,
     ConfigError,
@@ -29,7 +29,7 @@ from pagedkv.errors import (
     PoolExhaustedError,
     UnknownBlockError,
 )
-from pagedkv.pool import KVPool
+from pagedkv.memory.pool import KVPool
 
 
 def state(alloc: BlockAllocator) -> tuple[list[int], list[int]]:
@@ -175,7 +175,7 @@ def test_check_invariants_catches_a_block_queued_twice() -> None:
 
 
 def test_allocator_deals_in_ints_only_and_never_imports_numpy() -> None:
-    tree = ast.parse(inspect.getsource(pagedkv.allocator))
+    tree = ast.parse(inspect.getsource(pagedkv.blocks.allocator))
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -11,7 +11,7 @@ import pytest
 from support.managers import ceil_div
 
 from pagedkv import KVCache, KVPool, reference
-from pagedkv.allocator import BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import DoubleFreeError, NonFiniteError, UnknownBlockError
 
 

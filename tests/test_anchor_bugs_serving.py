@@ -24,7 +24,7 @@ from pagedkv import (
     SequenceStateError,
     UnknownSequenceError,
 )
-from pagedkv.interop import flashinfer_csr
+from pagedkv.integrations.interop import flashinfer_csr
 from pagedkv.testing.oracle import attend, within_tolerance
 
 

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
-import pagedkv.attend_fast
-import pagedkv.step
+import pagedkv.manager.attend_fast
+import pagedkv.manager.forward
 from pagedkv import KVCacheManager, attention
-from pagedkv.attend_fast import attend_one_sequence
-from pagedkv.batch import Batch
 from pagedkv.errors import NonFiniteError, PagedKVError
 from pagedkv.inputs import check_score_bound, check_score_bound_from_max
+from pagedkv.manager.attend_fast import attend_one_sequence
+from pagedkv.manager.batch import Batch
 from pagedkv.reference import attend_window
 
 F32 = np.dtype(np.float32)
@@ -43,12 +43,12 @@ def _outcome(call: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _general_attend(manager: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
     """``manager.attend`` with the fast path declining, so the general path decides."""
-    saved = pagedkv.step.attend_one_sequence
-    pagedkv.step.attend_one_sequence = lambda *_: None
+    saved = pagedkv.manager.forward.attend_one_sequence
+    pagedkv.manager.forward.attend_one_sequence = lambda *_: None
     try:
         return manager.attend(*args, **kwargs)
     finally:
-        pagedkv.step.attend_one_sequence = saved
+        pagedkv.manager.forward.attend_one_sequence = saved
 
 
 # Queries an attend may get: good ones, bad values, and bad types, dtypes and shapes.
@@ -144,7 +144,7 @@ def test_the_comparison_catches_a_fast_path_without_the_score_bound(monkeypatch:
         ("attend", 0, good, "loop", 1e20, False),  # scores could reach 1e20 * 2 * 1e19: refused
     ]
     _compare({}, calls)  # as shipped: both refuse
-    monkeypatch.setattr(pagedkv.attend_fast, "check_score_bound_from_max", lambda *_: None)
+    monkeypatch.setattr(pagedkv.manager.attend_fast, "check_score_bound_from_max", lambda *_: None)
     with pytest.raises(AssertionError), np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the planted fast path overflows: an output of NaN, no error
         _compare({}, calls)

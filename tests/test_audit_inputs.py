@@ -32,9 +32,9 @@ from pagedkv import (
     SequenceStateError,
     SnapshotError,
 )
-from pagedkv.allocator import BlockAllocator
-from pagedkv.extra_keys import encode_extra_keys
-from pagedkv.prefix_cache import PrefixCache
+from pagedkv.blocks.allocator import BlockAllocator
+from pagedkv.prefix.cache import PrefixCache
+from pagedkv.prefix.keys import encode_extra_keys
 from pagedkv.snapshot import save
 
 # ------------------------------------------------- defect 8: keys()/values() copies

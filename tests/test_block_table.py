@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.block_table``: logical index -> block and slot bookkeeping.
+"""Tests for ``pagedkv.blocks.table``: logical index -> block and slot bookkeeping.
 
 Diagrams use block_size 4: ``|x x x x|`` a held block with four cached tokens,
 ``.`` a free slot, ``-`` an evicted token; ``b7`` is block id 7.
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.managers import ceil_div
 
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import BlockTableError
 
 

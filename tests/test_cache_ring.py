@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pagedkv import KVCache, snapshot
 from pagedkv.counts import window_blocks
 from pagedkv.errors import NonFiniteError
+from pagedkv.memory.vmem import views_supported
 from pagedkv.reference import attend_window
-from pagedkv.vmem import views_supported
 
 pytestmark = pytest.mark.skipif(not views_supported(), reason="page views need Linux")
 

@@ -17,8 +17,8 @@ import pytest
 
 import pagedkv
 from pagedkv import cli
-from pagedkv import demo as demo_module
 from pagedkv.cli import build_parser, main
+from pagedkv.cli import demo as demo_module
 from pagedkv.simulate import command as command_module
 from pagedkv.simulate.progress import Progress, format_seconds
 from pagedkv.testing import check

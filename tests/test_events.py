@@ -17,7 +17,7 @@ from support.prefix import key_chain, make
 
 from pagedkv import KVCacheManager, KVPool
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
-from pagedkv.events import (
+from pagedkv.prefix.events import (
     DEFAULT_MAX_EVENTS,
     MEDIUM_GPU,
     AllBlocksCleared,

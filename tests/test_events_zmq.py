@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from support.prefix import make, prefix_of
 
-from pagedkv.events import PrefixIndex
+from pagedkv.prefix.events import PrefixIndex
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from pagedkv.events_zmq import END_SEQ, ZmqEventPublisher, encode_batch  # noqa: E402
+from pagedkv.integrations.zmq_events import END_SEQ, ZmqEventPublisher, encode_batch  # noqa: E402
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc,call-arg]
@@ -71,7 +71,7 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 def _as_pagedkv(batch: KVEventBatch) -> list[Any]:
     """vLLM's decoded events, turned into pagedkv's (only the fields an index needs)."""
-    from pagedkv import events
+    from pagedkv.prefix import events
 
     out: list[Any] = []
     for event in batch.events:
@@ -146,8 +146,8 @@ def test_a_subscriber_rebuilds_the_replica_s_index_through_live_and_replayed_bat
 
 
 def test_the_payload_is_vllm_s_msgpack() -> None:
-    from pagedkv.events import AllBlocksCleared as Cleared
-    from pagedkv.events import BlockRemoved as Removed
+    from pagedkv.prefix.events import AllBlocksCleared as Cleared
+    from pagedkv.prefix.events import BlockRemoved as Removed
 
     payload = encode_batch([Removed([b"k"], "GPU"), Cleared()], ts=1.5, data_parallel_rank=2)
     raw = msgspec.msgpack.decode(payload)
@@ -178,7 +178,7 @@ def _cached_keys(manager: Any) -> set[bytes]:
 
 def _subscribe(context: Any, publisher: ZmqEventPublisher) -> Any:
     """A SUB socket that has joined: publish ``AllBlocksCleared`` batches until one arrives (slow joiner)."""
-    from pagedkv.events import AllBlocksCleared as Cleared
+    from pagedkv.prefix.events import AllBlocksCleared as Cleared
 
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -224,7 +224,7 @@ def test_a_subscriber_s_index_is_right_after_every_batch_through_buffer_overflow
 
 
 def test_a_replay_request_for_batches_no_longer_kept_resyncs_the_next_batch() -> None:
-    from pagedkv.events import AllBlocksCleared as Cleared
+    from pagedkv.prefix.events import AllBlocksCleared as Cleared
 
     manager = make(8, kv_events=True)
     buffer = manager.kv_events

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from support.prefix import Runner, key_chain, make
 
 from pagedkv.errors import ConfigError, InputTypeError
-from pagedkv.extra_keys import block_tails, decode_extra_keys, encode_extra_keys
+from pagedkv.prefix.keys import block_tails, decode_extra_keys, encode_extra_keys
 
 scalar = st.one_of(st.text(max_size=4), st.binary(max_size=4), st.integers(-5, 10**20))
 items = st.lists(st.tuples(scalar, st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=3)

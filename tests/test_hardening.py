@@ -294,7 +294,7 @@ def test_a_block_table_refuses_bad_sizes(args: tuple[Any, ...], error: type) -> 
 # Before: a position past the table raised numpy's bare IndexError.
 def test_slot_mapping_refuses_positions_outside_the_table() -> None:
     from pagedkv.errors import ShapeError
-    from pagedkv.interop import slot_mapping
+    from pagedkv.integrations.interop import slot_mapping
 
     assert slot_mapping([3, 7], [0, 5], 4).tolist() == [12, 29]
     for position in (8, -1, 1.5):

@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.interop``: FlashInfer's CSR arrays and vLLM's slot mapping.
+"""Tests for ``pagedkv.integrations.interop``: FlashInfer's CSR arrays and vLLM's slot mapping.
 
 CSR layouts are drawn per sequence; ``kv_indices[indptr[i]:indptr[i+1]]`` are
 sequence ``i``'s pages, its last page holds ``kv_last_page_len[i]`` tokens.
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from support.managers import ceil_div, make_manager, settle
 
 from pagedkv import SequenceStateError, UnknownSequenceError
-from pagedkv.interop import PagedCSR, flashinfer_csr, slot_mapping
+from pagedkv.integrations.interop import PagedCSR, flashinfer_csr, slot_mapping
 
 # -------------------------------------------------------------- FlashInfer CSR
 

@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.manager.KVCacheManager``: the serving core, hand-built cases first.
+"""Tests for ``pagedkv.manager.manager.KVCacheManager``: the serving core, hand-built cases first.
 
 Block layouts are drawn with logical blocks left to right; ``[a0 a1 . .]`` is
 a block of four slots holding tokens 0 and 1 of sequence ``a``. Every attend

@@ -28,11 +28,10 @@ from hypothesis.stateful import run_state_machine_as_test
 from support.managers import make_manager, manager_state, settle
 from support.prefix import SHA256, key_chain, make, prefix_of
 
-import pagedkv.manager
-import pagedkv.prefix_sharing
+import pagedkv.manager.manager
+import pagedkv.manager.prefix_sharing
 from pagedkv import KVCacheManager
-from pagedkv.batch import SlotRun
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import (
     InputTypeError,
     NonFiniteError,
@@ -41,18 +40,19 @@ from pagedkv.errors import (
     ShapeError,
 )
 from pagedkv.inputs import as_tokens, check_tokens
-from pagedkv.prefix_cache import ROOT_KEY, block_keys, check_token_ids, pack_token_ids, token_bytes
-from pagedkv.reservation_commit import reserve_requests
+from pagedkv.manager.batch import SlotRun
+from pagedkv.manager.reserve_commit import reserve_requests
+from pagedkv.prefix.cache import ROOT_KEY, block_keys, check_token_ids, pack_token_ids, token_bytes
 
 # ------------------------------------------------------------- hashing once
 
 
 class HashCounter:
-    """Wraps ``pagedkv.prefix_sharing.block_keys`` (every block key is made there) and counts keys."""
+    """Wraps ``pagedkv.manager.prefix_sharing.block_keys`` (every block key is made there) and counts keys."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.num_hashed = 0
-        monkeypatch.setattr(pagedkv.prefix_sharing, "block_keys", self)
+        monkeypatch.setattr(pagedkv.manager.prefix_sharing, "block_keys", self)
 
     def __call__(
         self, parent: bytes, tokens: bytes, block_size: int, extras: bytes, hasher: Any, first_block: int = 0
@@ -302,7 +302,7 @@ def test_the_state_machines_pass_with_the_fast_path_off(
 ) -> None:
     # Both machines run with reserve_one as it is elsewhere in the suite; here the general
     # path takes every reservation, and must satisfy the same models.
-    monkeypatch.setattr(pagedkv.manager, "reserve_one", lambda *args: None)
+    monkeypatch.setattr(pagedkv.manager.manager, "reserve_one", lambda *args: None)
     run_state_machine_as_test(
         getattr(importlib.import_module(module), machine),
         settings=settings(

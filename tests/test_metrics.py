@@ -15,7 +15,7 @@ import pytest
 from support.managers import make_manager, settle
 
 from pagedkv import KVCacheManager, KVPool, ManagerMetrics
-from pagedkv.vmem import map_budget
+from pagedkv.memory.vmem import map_budget
 
 
 def memory(m: KVCacheManager) -> tuple[int, int, int, int, float, float, float]:

@@ -1,4 +1,4 @@
-"""A forked child gets its own copy of every page file (pagedkv.page_fork).
+"""A forked child gets its own copy of every page file (pagedkv.memory.fork).
 
 Without it a child's writes land in its parent's pages and the other way
 round: the first test read 9.0 (a child's token) where its parent had cached
@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv import KVCache, KVCacheManager, KVPool, SequenceState, page_fork, preemption
-from pagedkv.sequence import SequenceRecord
-from pagedkv.views import PageViews
-from pagedkv.vmem import copy_file, move_mapping, open_page_file, private_copy
+from pagedkv import KVCache, KVCacheManager, KVPool, SequenceState
+from pagedkv.manager import preempt as preemption
+from pagedkv.manager.sequence import SequenceRecord
+from pagedkv.memory import fork as page_fork
+from pagedkv.memory.views import PageViews
+from pagedkv.memory.vmem import copy_file, move_mapping, open_page_file, private_copy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
                                 reason="page files and fork: Linux")

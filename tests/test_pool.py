@@ -1,4 +1,4 @@
-"""Tests for ``pagedkv.pool``: the shared block pool's storage, gather and invariants."""
+"""Tests for ``pagedkv.memory.pool``: the shared block pool's storage, gather and invariants."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.read_plan import ReadPlan
+from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError
-from pagedkv.pool import KVPool
-from pagedkv.read_plan import ReadPlan
+from pagedkv.memory.pool import KVPool
 
 
 def fill(pool: KVPool, table: BlockTable, num_tokens: int, start: float = 0.0) -> None:

@@ -27,12 +27,12 @@ from support.prefix import SHA256, Runner, from_scratch, key_chain, kv_of, make,
 
 from pagedkv import BlockAllocator, KVCacheManager, KVPool, SequenceState
 from pagedkv.errors import BlockStateError, ConfigError, InputTypeError, SequenceStateError, UnknownBlockError
-from pagedkv.extra_keys import encode_extra_keys
-from pagedkv.prefix_cache import (
+from pagedkv.prefix.cache import (
     ROOT_KEY,
     PrefixCache,
     hash_function,
 )
+from pagedkv.prefix.keys import encode_extra_keys
 
 # ------------------------------------------------------------------ block keys
 

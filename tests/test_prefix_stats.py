@@ -10,7 +10,7 @@ from support.managers import make_manager
 from support.prefix import make
 
 from pagedkv.errors import ConfigError
-from pagedkv.prefix_stats import HitWindow
+from pagedkv.prefix.stats import HitWindow
 
 
 @given(requests=st.lists(st.integers(0, 20).flatmap(lambda q: st.tuples(st.just(q), st.integers(0, q))),

@@ -52,12 +52,12 @@ from hypothesis.stateful import (
 from support.managers import make_manager
 
 import pagedkv.cache
+import pagedkv.memory.quantization as quantization
 import pagedkv.paged_attention
-import pagedkv.quantization as quantization
 from pagedkv import KVCache, KVCacheManager, KVPool, reference
 from pagedkv.attention import attend_dense
 from pagedkv.errors import ConfigError, InputTypeError, PoolExhaustedError
-from pagedkv.quantization import bytes_per_token, head_bytes, storage_format
+from pagedkv.memory.quantization import bytes_per_token, head_bytes, storage_format
 from pagedkv.testing import oracle
 
 pytest.importorskip("ml_dtypes")
@@ -221,7 +221,7 @@ def test_import_pagedkv_needs_numpy_alone() -> None:
     script = (
         "import sys\n"
         "for name in ('ml_dtypes', 'safetensors'): sys.modules[name] = None\n"
-        "import pagedkv, pagedkv.snapshot, pagedkv.quantization\n"
+        "import pagedkv, pagedkv.snapshot, pagedkv.memory.quantization\n"
         "print(pagedkv.KVCache(key_dtype='int8').attend([1.0], [1.0], [4.0]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

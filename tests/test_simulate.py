@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pagedkv.errors import ConfigError, PagedKVError
-from pagedkv.manager import SequenceState
+from pagedkv.manager.manager import SequenceState
 from pagedkv.simulate import (
     Budget,
     BudgetError,

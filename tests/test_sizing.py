@@ -1,4 +1,4 @@
-"""``pagedkv.sizing``: the block bound is never exceeded by a real manager, and is reached."""
+"""``pagedkv.memory.sizing``: the block bound is never exceeded by a real manager, and is reached."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support.managers import make_manager, settle
 
 from pagedkv import KVPool
 from pagedkv.errors import ConfigError, InputTypeError
-from pagedkv.sizing import blocks_needed, bytes_per_block
+from pagedkv.memory.sizing import blocks_needed, bytes_per_block
 
 
 @settings(max_examples=80, deadline=None)

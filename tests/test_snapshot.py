@@ -40,7 +40,7 @@ from pagedkv.errors import (
     PoolExhaustedError,
     SnapshotError,
 )
-from pagedkv.manager import SequenceState
+from pagedkv.manager.manager import SequenceState
 from pagedkv.snapshot import format as snapshot_format
 from pagedkv.snapshot.capture import capture_manager
 

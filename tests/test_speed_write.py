@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
-import pagedkv.step
+import pagedkv.manager.forward
 from pagedkv import KVCacheManager
-from pagedkv.batch import Batch, issue_token_batch, token_slot
 from pagedkv.errors import NonFiniteError, PagedKVError, SequenceStateError, ShapeError
 from pagedkv.inputs import check_token_pair, check_tokens
+from pagedkv.manager.batch import Batch, issue_token_batch, token_slot
 
 
 def _general(batch: Batch) -> Batch:
@@ -299,14 +299,14 @@ def test_the_scan_index_is_used_only_under_the_pools_lock(
 ) -> None:
     manager = make_manager(8, block_size=4)
     manager.add_sequence("a")
-    checked = pagedkv.step.check_token_pair
+    checked = pagedkv.manager.forward.check_token_pair
     held: list[bool] = []
 
     def check_holding_the_lock(*args: Any) -> Any:
         held.append(manager.pool.lock.locked())
         return checked(*args)
 
-    monkeypatch.setattr(pagedkv.step, "check_token_pair", check_holding_the_lock)
+    monkeypatch.setattr(pagedkv.manager.forward, "check_token_pair", check_holding_the_lock)
     kv = np.ones((tokens, 1, 1))
     manager.write(0, manager.reserve({"a": tokens}), kv, kv)
     assert held == [True]

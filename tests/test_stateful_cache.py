@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 )
 
 from pagedkv import KVCache, KVPool, reference
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import (
     ClosedCacheError,
     InputTypeError,

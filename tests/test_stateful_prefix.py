@@ -64,18 +64,18 @@ from support.managers import manager_state
 from support.prefix import key_chain, kv_of, make, prefix_of
 from support.windows import visible
 
-import pagedkv.prefix_sharing
+import pagedkv.manager.prefix_sharing
 from pagedkv import KVCacheManager, SequenceState
-from pagedkv.allocator import BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import (
     DuplicateSequenceError,
     PoolExhaustedError,
     SequenceStateError,
     UnknownSequenceError,
 )
-from pagedkv.events import BlockStored, PrefixIndex
-from pagedkv.prefix_cache import ROOT_KEY, block_keys, token_bytes
-from pagedkv.prefix_sharing import PrefixSharing
+from pagedkv.manager.prefix_sharing import PrefixSharing
+from pagedkv.prefix.cache import ROOT_KEY, block_keys, token_bytes
+from pagedkv.prefix.events import BlockStored, PrefixIndex
 from pagedkv.testing.oracle import attend as oracle_attend
 from pagedkv.testing.oracle import within_tolerance
 
@@ -694,8 +694,8 @@ TestPrefixCaching.settings = settings(
 
 def _planted(block_keys_impl: Any) -> None:
     """Run the machine against a manager whose block keys come from ``block_keys_impl``."""
-    original = pagedkv.prefix_sharing.block_keys
-    pagedkv.prefix_sharing.block_keys = block_keys_impl
+    original = pagedkv.manager.prefix_sharing.block_keys
+    pagedkv.manager.prefix_sharing.block_keys = block_keys_impl
     try:
         run_state_machine_as_test(
             PrefixCachingMachine,
@@ -710,7 +710,7 @@ def _planted(block_keys_impl: Any) -> None:
             ),
         )
     finally:
-        pagedkv.prefix_sharing.block_keys = original
+        pagedkv.manager.prefix_sharing.block_keys = original
 
 
 def test_machine_catches_unchained_keys() -> None:
@@ -733,17 +733,17 @@ def test_machine_catches_unchained_keys() -> None:
 
 def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
     """Planted bug: the lookup may report every full block of the prompt (nano-vllm #144)."""
-    original = pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix
+    original = pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix
 
     def greedy(self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes) -> int:
         return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]))
 
-    pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix = greedy  # type: ignore[method-assign]
+    pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix = greedy  # type: ignore[method-assign]
     try:
         with pytest.raises(AssertionError):
             _planted(block_keys)
     finally:
-        pagedkv.prefix_sharing.PrefixSharing.share_cached_prefix = original  # type: ignore[method-assign]
+        pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix = original  # type: ignore[method-assign]
 
 
 def _appends_in_place(self: BlockAllocator, block_id: int, num_dropped: int = 0) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.errors import ConfigError
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.prefix.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.simulate import Budget, SimConfig
 from pagedkv.simulate.cluster import run_cluster
 from pagedkv.simulate.conversations import conversations

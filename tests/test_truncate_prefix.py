@@ -17,7 +17,7 @@ import pytest
 from support.managers import manager_state
 from support.prefix import Runner, from_scratch, key_chain, make, prefix_of
 
-from pagedkv.allocator import BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import PoolExhaustedError
 
 

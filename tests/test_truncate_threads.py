@@ -36,9 +36,9 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCacheManager, KVPool
-from pagedkv.allocator import BlockAllocator
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.errors import PoolExhaustedError
-from pagedkv.events import PrefixIndex
+from pagedkv.prefix.events import PrefixIndex
 from pagedkv.reference import attend_window
 
 BLOCK_SIZE = 2

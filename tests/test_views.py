@@ -1,4 +1,4 @@
-"""Page views (pagedkv.views, pagedkv.vmem): same outputs as gathering, and never a stale read.
+"""Page views (pagedkv.memory.views, pagedkv.memory.vmem): same outputs as gathering, and never a stale read.
 
 Pools here use block_size 16, one kv head, head_dim 64, float32: one block of
 one side is 4096 bytes, one page, so views apply. Every output is compared
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCache, KVCacheManager, KVPool
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import ConfigError, InputTypeError
+from pagedkv.memory.vmem import Reservation, map_budget
 from pagedkv.reference import attend_window, recompute
-from pagedkv.vmem import Reservation, map_budget
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="views are Linux only")
 
@@ -349,7 +349,9 @@ def test_a_block_is_resident_when_handed_out() -> None:
 
 def test_each_block_is_populated_once_in_runs_of_consecutive_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr("pagedkv.views.populate", lambda address, size: calls.append((address, size)) or True)
+    monkeypatch.setattr(
+        "pagedkv.memory.views.populate", lambda address, size: calls.append((address, size)) or True
+    )
     pool = views_pool(16, num_layers=2)
     page_file = pool._pages.page_file
     assert page_file is not None
@@ -369,7 +371,7 @@ def test_each_block_is_populated_once_in_runs_of_consecutive_ids(monkeypatch: py
 def test_without_populate_the_kernel_faults_pages_in_and_outputs_are_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pagedkv import vmem
+    from pagedkv.memory import vmem
 
     libc = vmem._libc()
     monkeypatch.setattr(libc, "can_populate", True)
@@ -398,7 +400,7 @@ def test_a_pool_of_plain_arrays_takes_blocks_without_a_hook() -> None:
 def test_page_files_keep_to_their_share_of_descriptors_and_pools_past_it_gather(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pagedkv.vmem import FDS_PER_PAGE_FILE, descriptor_budget
+    from pagedkv.memory.vmem import FDS_PER_PAGE_FILE, descriptor_budget
 
     budget = descriptor_budget()
     monkeypatch.setattr(budget, "limit", budget.num_used + FDS_PER_PAGE_FILE)  # room for one file

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv import KVCache, KVCacheManager, KVPool, vmem
+from pagedkv import KVCache, KVCacheManager, KVPool
+from pagedkv.blocks.read_plan import ReadPlan
 from pagedkv.errors import ConfigError, UnknownBlockError
-from pagedkv.read_plan import ReadPlan
-from pagedkv.vmem import descriptor_budget, map_budget
+from pagedkv.memory import vmem
+from pagedkv.memory.vmem import descriptor_budget, map_budget
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="views are Linux only")
 
@@ -165,9 +166,9 @@ def test_a_failed_attention_after_the_append_leaves_the_cache_as_before(
 CRASH = textwrap.dedent("""
     import numpy as np
     from pagedkv import KVPool
-    from pagedkv.block_table import BlockTable
+    from pagedkv.blocks.table import BlockTable
     from pagedkv.errors import UnknownBlockError
-    from pagedkv.vmem import map_budget
+    from pagedkv.memory.vmem import map_budget
     pool = KVPool(8, block_size=16, head_dim=64, dtype=np.float32, view_mode={mode!r})
     table = BlockTable(16)
     table.append(32, [3, 100])  # id 100 is past the pool's end (ids 0 to 7)
@@ -223,7 +224,7 @@ def test_views_whose_page_file_the_kernel_refuses_is_a_config_error(monkeypatch:
     def refuse(size: int) -> int:
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr("pagedkv.pages.open_page_file", refuse)
+    monkeypatch.setattr("pagedkv.memory.pages.open_page_file", refuse)
     with pytest.raises(ConfigError, match=r"no page file could be made \(.*Too many open files\)"):
         make_pool("views")
     assert make_pool("auto").view_mode == "gather"

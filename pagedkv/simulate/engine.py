@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv import KVCacheManager, KVPool, PoolExhaustedError
+from pagedkv.blocks.occupancy import count_live_slots
 from pagedkv.counts import ceil_div
-from pagedkv.occupancy import count_live_slots
 from pagedkv.simulate.admission import Admitter
 from pagedkv.simulate.clock import Clock
 from pagedkv.simulate.config import BudgetError, SimConfig
@@ -317,7 +317,7 @@ class PagedEngine:
         """``(live slots, block ids held over all tables)`` of the sequences holding device blocks.
 
         The count ``manager.metrics().num_live_slots`` gives, by the same
-        function (:func:`pagedkv.occupancy.count_live_slots`), over the
+        function (:func:`pagedkv.blocks.occupancy.count_live_slots`), over the
         running and prefilling sequences only (a preempted one holds no
         device block).
         """

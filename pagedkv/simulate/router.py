@@ -33,7 +33,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from pagedkv.errors import ConfigError
-from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.prefix.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["ROUTERS", "LeastLoaded", "PrefixAware", "RoundRobin", "Router", "make_router"]
 

@@ -13,12 +13,12 @@ import os
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import AllocatorState
+from pagedkv.blocks.allocator import AllocatorState
 from pagedkv.cache import KVCache
 from pagedkv.errors import ClosedCacheError, InputTypeError
-from pagedkv.manager import COUNTERS, KVCacheManager
-from pagedkv.pool import KVPool
-from pagedkv.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.manager.manager import COUNTERS, KVCacheManager
+from pagedkv.manager.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.memory.pool import KVPool
 from pagedkv.snapshot.format import (
     Tensors,
     check_path,

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.allocator import AllocatorState
-from pagedkv.pool import KVPool
-from pagedkv.quantization import StorageFormat, bytes_per_token, storage_format
+from pagedkv.blocks.allocator import AllocatorState
+from pagedkv.memory.pool import KVPool
+from pagedkv.memory.quantization import StorageFormat, bytes_per_token, storage_format
 from pagedkv.snapshot.format import Tensors, page_parts, tensor_name
 from pagedkv.snapshot.schema import DTYPES, STORAGE, Reader, fail, pair, shown
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
-from pagedkv.block_table import BlockTable
-from pagedkv.prefix_cache import ROOT_KEY, block_keys, hash_function, token_bytes
-from pagedkv.sequence import RecordState, SequenceState
+from pagedkv.blocks.table import BlockTable
+from pagedkv.manager.sequence import RecordState, SequenceState
+from pagedkv.prefix.cache import ROOT_KEY, block_keys, hash_function, token_bytes
 from pagedkv.snapshot.schema import fail
 
 __all__ = ["VouchedKeys", "vouch_keys"]

@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.block_table import BlockTable
+from pagedkv.blocks.table import BlockTable
 from pagedkv.cache import CacheState, KVCache
 from pagedkv.counts import check_count, window_blocks
 from pagedkv.errors import ConfigError, InputTypeError, SnapshotError
-from pagedkv.manager import COUNTERS, KVCacheManager, ManagerState
-from pagedkv.pool import KVPool
-from pagedkv.prefix_cache import HASH_KEY_SIZES
-from pagedkv.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.manager.manager import COUNTERS, KVCacheManager, ManagerState
+from pagedkv.manager.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.memory.pool import KVPool
+from pagedkv.prefix.cache import HASH_KEY_SIZES
 from pagedkv.snapshot.format import Tensors, read_state
 from pagedkv.snapshot.pools import PoolPlan, SavedAllocator, check_keys, check_pools
 from pagedkv.snapshot.prefix import vouch_keys

@@ -33,11 +33,11 @@ import sys
 from collections.abc import Callable, Hashable
 from typing import Any, NoReturn
 
-from pagedkv.allocator import AllocatorState
-from pagedkv.block_table import TableState
+from pagedkv.blocks.allocator import AllocatorState
+from pagedkv.blocks.table import TableState
 from pagedkv.errors import SnapshotError
-from pagedkv.quantization import STORAGE_DTYPES
-from pagedkv.sequence import SequenceState
+from pagedkv.manager.sequence import SequenceState
+from pagedkv.memory.quantization import STORAGE_DTYPES
 
 __all__ = [
     "DTYPES",

@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from pagedkv import KVCacheManager
-from pagedkv.extra_keys import encode_extra_keys
-from pagedkv.prefix_cache import (
+from pagedkv.prefix.cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
     hash_function,
     token_bytes,
 )
+from pagedkv.prefix.keys import encode_extra_keys
 from support.managers import make_manager
 
 SHA256 = hash_function("sha256")

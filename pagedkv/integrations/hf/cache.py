@@ -25,7 +25,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.batch import Batch
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, ShapeError
 from pagedkv.integrations.hf.extra import optional_class, require
 from pagedkv.integrations.hf.layers import LayerView
@@ -33,8 +32,9 @@ from pagedkv.integrations.hf.read_cache import LayerBuffer, read_rows
 from pagedkv.integrations.hf.rows import RowSequences
 from pagedkv.integrations.hf.spec import ModelSpec, read_spec
 from pagedkv.integrations.hf.tensors import Tensor, check_states, from_tokens, padding_layout, to_tokens
-from pagedkv.manager import KVCacheManager
-from pagedkv.pool import KVPool
+from pagedkv.manager.batch import Batch
+from pagedkv.manager.manager import KVCacheManager
+from pagedkv.memory.pool import KVPool
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "take_pending"]
 

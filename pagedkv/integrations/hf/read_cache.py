@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from pagedkv.integrations.hf.extra import require
 from pagedkv.integrations.hf.tensors import Tensor, states_array
-from pagedkv.manager import KVCacheManager
+from pagedkv.manager.manager import KVCacheManager
 
 __all__ = ["LayerBuffer", "read_rows"]
 

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import ConfigError, SequenceStateError
-from pagedkv.manager import KVCacheManager
+from pagedkv.manager.manager import KVCacheManager
 
 __all__ = ["RowSequences"]
 

@@ -1,0 +1,32 @@
+"""The ``pagedkv`` command line: ``demo``, ``simulate``, ``viz``, ``check``.
+
+A tool on top of the library; nothing in the core imports it.
+"""
+
+from pagedkv.cli.main import (
+    build_parser,
+    finite_float,
+    fraction,
+    int_range,
+    main,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    output_folder,
+    positive_float,
+    positive_int,
+)
+
+__all__ = [
+    "build_parser",
+    "finite_float",
+    "fraction",
+    "int_range",
+    "main",
+    "non_negative_float",
+    "non_negative_int",
+    "output_file",
+    "output_folder",
+    "positive_float",
+    "positive_int",
+]

@@ -1,0 +1,533 @@
+"""``KVCacheManager``: many sequences and many layers on one shared pool.
+
+The flow of one forward step, as in an inference engine::
+
+    batch = manager.reserve({"a": 5, "b": 1})   # slots for new tokens, all or nothing
+    for layer in range(num_layers):
+        manager.write(layer, batch, k, v)        # k, v: (batch.num_tokens, num_kv_heads, head_dim)
+        out = manager.attend(layer, batch, q)    # q: (batch.num_tokens, num_q_heads, head_dim)
+
+One block table per sequence serves every layer: block ``b`` of layer ``l``
+lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
+
+>>> import numpy as np
+>>> from pagedkv import KVPool, KVCacheManager
+>>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=2))
+>>> manager.add_sequence("a")  # returns how many prompt tokens were cached
+0
+>>> batch = manager.reserve({"a": 3})
+>>> kv = np.ones((3, 1, 2))
+>>> manager.write(0, batch, kv, kv)
+>>> manager.attend(0, batch, np.ones((3, 1, 2))).shape
+(3, 1, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.blocks.table import BlockTable
+from pagedkv.counts import check_count
+from pagedkv.errors import (
+    SequenceStateError,
+)
+from pagedkv.inputs import check_scale, like_input
+from pagedkv.locking import locked, release_manager
+from pagedkv.manager.admission import AdmissionPlan, admit
+from pagedkv.manager.batch import Batch
+from pagedkv.manager.config import configure
+from pagedkv.manager.forward import attend_layer, write_layer
+from pagedkv.manager.manager_prefix import PrefixCachingCommands
+from pagedkv.manager.manager_reports import ManagerReports
+from pagedkv.manager.metrics import COUNTERS
+from pagedkv.manager.preempt import preempt_record, release_record, resume_record
+from pagedkv.manager.prefix_sharing import PrefixSharing
+from pagedkv.manager.reserve import Requests, ReservationPlan, plan_requests
+from pagedkv.manager.reserve_commit import reserve_one, reserve_requests
+from pagedkv.manager.sequence import (
+    ManagerState,
+    SequenceHolder,
+    SequenceRecord,
+    SequenceRegistry,
+    SequenceState,
+    check_settled,
+)
+from pagedkv.manager.swap import check_host_pool
+from pagedkv.memory.pool import KVPool
+from pagedkv.prefix.keys import ExtraKeys
+
+__all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
+
+
+class KVCacheManager(PrefixCachingCommands, ManagerReports):
+    """Block tables for many sequences over one :class:`~pagedkv.KVPool`.
+
+    Threads: independent sequences may be driven from different threads (every
+    command holds the pool's lock; attention runs outside it on per-thread
+    scratch); one sequence driven from two threads at once is the caller's to
+    serialise. A manager dropped without ``free`` gives every block back when
+    it is collected, and its prefix cache stops, so another manager can run one.
+
+    Invariants:
+        * the pool's invariants hold, counting every running sequence's table
+          (and, for the host pool, every swapped sequence's table);
+        * no block id appears twice in one table;
+        * a preempted sequence holds no blocks;
+        * with a window ``W`` (the largest over layers), a sequence holds no
+          block wholly older than its newest reservation's window;
+        * every layer's written count is at most the table's token count;
+        * with prefix caching, a keyed block is never written: a table that
+          holds one partly (cut by ``truncate`` while another held it full)
+          copies it before its next append (see
+          :class:`~pagedkv.manager.prefix_sharing.PrefixSharing`).
+
+    Args:
+        pool: the device pool; its ``num_layers``, ``num_kv_heads``,
+            ``head_dim`` and ``dtype`` define the model.
+        max_size: the sliding window ``W`` of every layer: each token attends
+            to the ``W`` newest tokens, itself included (plus the sinks).
+        layer_max_sizes: a window per layer instead (``None`` entries mean
+            unbounded), as Mistral allows; blocks are freed by the largest.
+        num_sink_tokens: the first tokens of each sequence, kept forever and
+            attended by every token (StreamingLLM's attention sinks). Keys are
+            stored as given: positional encoding is the caller's.
+        num_q_heads: query heads (a multiple of ``num_kv_heads``); defaults
+            to ``num_kv_heads``.
+        scale: multiplies every score.
+        host_pool: a second pool, shaped like ``pool``, for swap preemption.
+        enable_prefix_caching: key full blocks by their prefix and share them
+            between sequences (see :mod:`pagedkv.prefix.cache`).
+        hash_algorithm: ``"sha256"`` (default, collision resistant) or
+            ``"xxh3_128"`` (faster, the ``xxhash`` extra, trusted prompts only).
+        trusted_inputs: the engine vouches for the k, v and q values it
+            passes: a ``write`` or ``attend`` of plain arrays of the pool's
+            dtype and the right shape scans no values for NaN, infinity or
+            magnitude, and ``attend`` skips the bound that refuses queries
+            whose scores could overflow (so the largest |key| is not
+            tracked). Every check of the batch, the sequences' states, the
+            layers, shapes and dtypes stays: a trusted engine can get wrong
+            numbers only from wrong numbers it passed, never a corrupt pool.
+        kv_events: with prefix caching, record the prefix cache's changes
+            for a cluster router (see :mod:`pagedkv.prefix.events`): True keeps up
+            to 10,000 undrained events, an int sets that bound.
+
+    Raises:
+        ConfigError, InputTypeError: an argument has the wrong type or value.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        max_size: int | None = None,
+        layer_max_sizes: Sequence[int | None] | None = None,
+        num_sink_tokens: int = 0,
+        num_q_heads: int | None = None,
+        scale: float = 1.0,
+        host_pool: KVPool | None = None,
+        enable_prefix_caching: bool = False,
+        hash_algorithm: str = "sha256",
+        trusted_inputs: bool = False,
+        kv_events: bool | int = False,
+    ) -> None:
+        config = configure(
+            pool,
+            max_size=max_size,
+            layer_max_sizes=layer_max_sizes,
+            num_sink_tokens=num_sink_tokens,
+            num_q_heads=num_q_heads,
+            scale=scale,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_algorithm=hash_algorithm,
+            trusted_inputs=trusted_inputs,
+            kv_events=kv_events,
+        )
+        self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
+        self.pool = pool
+        #: The validated configuration; the attributes below mirror it.
+        self.config = config
+        self.layer_max_sizes = config.layer_max_sizes
+        #: The window that frees blocks: the largest layer window, None if any is unbounded.
+        self.max_size = config.window
+        self.num_sink_tokens = config.num_sink_tokens
+        self.num_q_heads = config.num_q_heads
+        self.scale = config.scale
+        #: The block hash's name (kept for snapshots).
+        self.hash_algorithm = config.hash_algorithm
+        #: Whether ``write`` and ``attend`` skip scanning values (``trusted_inputs``).
+        self.trusted_inputs = config.trusted_inputs
+        self._seqs = SequenceRegistry()
+        self._max_abs_key = [0.0] * pool.num_layers
+        # write's argmax/argmin results land here (check_token_pair's index): under pool.lock only.
+        self._scan_index = np.empty((), np.intp)
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._sharing = PrefixSharing.for_manager(pool, config) if config.enable_prefix_caching else None
+        # The pools hold these weakly; the manager keeps them alive.
+        self._holders = [
+            SequenceHolder(self._seqs, SequenceState.RUNNING),
+            SequenceHolder(self._seqs, SequenceState.SWAPPED),
+        ]
+        pool.attach(self._holders[0])
+        if host_pool is not None:
+            host_pool.attach(self._holders[1])
+        weakref.finalize(self, release_manager, pool, self.host_pool, self._seqs, self._sharing)
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """Every known sequence id, in the order they were added."""
+        return list(self._seqs)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def state(self, seq_id: Hashable) -> SequenceState:
+        """Where ``seq_id``'s blocks are."""
+        return self._get(seq_id).state
+
+    def block_table(self, seq_id: Hashable) -> BlockTable:
+        """``seq_id``'s block table (read it; do not change it)."""
+        return self._get(seq_id).table
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens reserved for ``seq_id`` so far, evicted ones included."""
+        return self._get(seq_id).table.num_tokens
+
+    def window_start(self, seq_id: Hashable, num_new_tokens: int = 0) -> int:
+        """The first logical index after the sinks that ``seq_id`` holds once ``num_new_tokens`` are reserved.
+
+        Reserving frees what lies wholly before the window of the first new
+        token (the largest layer window), so the start is the same for any
+        ``num_new_tokens >= 1``; ``0`` asks for the start now. Without a window
+        it is ``num_sink_tokens`` for ever.
+
+        >>> import numpy as np
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), max_size=3)
+        >>> manager.add_sequence("a")
+        0
+        >>> _ = manager.reserve({"a": 5})
+        >>> manager.window_start("a"), manager.window_start("a", 1)
+        (0, 3)
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            InputTypeError, ConfigError: ``num_new_tokens`` is not an int >= 0.
+        """
+        table = self._get(seq_id).table
+        num_new_tokens = check_count("num_new_tokens", num_new_tokens, minimum=0)
+        if not num_new_tokens or self.max_size is None:
+            return table.window_start
+        return max(table.window_start, min(table.num_tokens + 1 - self.max_size, table.num_tokens))
+
+    def plan(self, requests: Requests, *, admit: Sequence[AdmissionPlan] = ()) -> ReservationPlan:
+        """What ``reserve(requests)`` would take and free, without doing it.
+
+        Args:
+            requests: as for ``reserve``, or ``{}``: nothing to reserve, which fits
+                (``reserve({})`` itself is refused).
+            admit: ``lookup`` results of prompts to admit first, in the same
+                step: their blocks count too (a cached block two of them
+                revive counts once).
+
+        Raises:
+            UnknownSequenceError, DuplicateSequenceError, ConfigError,
+            SequenceStateError: as ``reserve`` would.
+        """
+        if isinstance(requests, Mapping) and not requests:  # nothing to reserve (admissions only, or none)
+            num_free = self.pool.allocator.num_free_blocks
+            plan = ReservationPlan(True, 0, 0, 0, num_free)
+        else:
+            plan = plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
+        if not admit:
+            return plan
+        revived = {block_id for entry in admit for block_id in entry.revived_block_ids}
+        num_new = plan.num_new_blocks + len(revived) + sum(entry.num_new_blocks for entry in admit)
+        fits = num_new <= plan.num_free_blocks + plan.num_released_blocks
+        return dataclasses.replace(plan, num_new_blocks=num_new, fits=fits)
+
+    def can_reserve(self, requests: Requests, *, admit: Sequence[AdmissionPlan] = ()) -> bool:
+        """Whether ``reserve(requests)`` would succeed now (after admitting ``admit``, see ``plan``)."""
+        return self.plan(requests, admit=admit).fits
+
+    # --------------------------------------------------------------- commands
+
+    @locked
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        prompt: Sequence[int] | None = None,
+        *,
+        extra_keys: ExtraKeys | None = None,
+        cache_blocks: bool = True,
+    ) -> int:
+        """Start a sequence; with prefix caching, share the cached blocks of its prompt.
+
+        Args:
+            seq_id: a new, hashable id.
+            prompt: the prompt's token ids, looked up in the prefix cache.
+                The sequence starts empty; reserve and write the prompt (from
+                the returned position on) as usual.
+            extra_keys: tagged keys hashed into every block key:
+                ``{"salt": tenant, "adapter": id, "multimodal": hash}``.
+                Sequences with different extra keys never share a block,
+                except that ``multimodal`` may instead list items
+                ``[(hash, offset, length), ...]``: each is mixed only into the
+                blocks overlapping its placeholder tokens, so blocks before an
+                image are shared (see :mod:`pagedkv.prefix.keys`).
+            cache_blocks: with prefix caching, key this sequence's full blocks
+                so later prompts can share them; its reservations must then
+                give token ids. ``False`` lets it reserve by count, and its
+                blocks are never keyed (the prompt is still looked up).
+
+        Returns:
+            How many leading prompt tokens are already cached (a multiple of
+            ``block_size``, never the whole prompt: at least its last token is
+            left to compute). The caller writes k/v only for the rest.
+
+        Raises:
+            DuplicateSequenceError: ``seq_id`` is already known.
+            InputTypeError, ConfigError: a bad id, token id or extra key.
+        """
+        return admit(
+            self._seqs, self._sharing, self._counters, seq_id, prompt, extra_keys, cache_blocks,
+            block_size=self.pool.block_size, num_sink_tokens=self.num_sink_tokens,
+            num_layers=self.pool.num_layers,
+        )
+
+    def reserve(self, requests: Requests) -> Batch:
+        """Reserve slots for new tokens of several sequences, all or nothing.
+
+        First every block wholly outside each sequence's window (for its first
+        new token) goes back to the pool; then shared (or prefix-keyed), partly
+        filled last blocks are copied (copy-on-write); then new blocks are taken.
+
+        Args:
+            requests: ``{seq_id: num_new_tokens}`` (or ``(seq_id, n)`` pairs),
+                each ``n >= 1``; a sequence may appear once. With prefix
+                caching a sequence that caches its blocks gives its new
+                tokens' ids instead (``{seq_id: [17, 4, 99]}``) so full blocks
+                get keys (see ``add_sequence(..., cache_blocks=...)``).
+
+        Returns:
+            The :class:`~pagedkv.manager.batch.Batch` to write and attend, every layer.
+
+        Raises:
+            UnknownSequenceError: an id is not known.
+            DuplicateSequenceError: an id appears twice.
+            ConfigError, InputTypeError: a count is not an int >= 1, or a
+                sequence that caches its blocks got a count, not token ids.
+            SequenceStateError: a sequence is preempted or swapped, or has
+                reserved tokens some layer has not written yet.
+            PoolExhaustedError: the pool cannot hold it; nothing changes.
+        """
+        # NOTE: reserve and write take the pool's lock inline rather than through
+        # @locked: an engine calls both for every sequence every step, and the
+        # decorator's extra frame costs about as much as the lock itself.
+        with self.pool.lock:
+            if requests.__class__ is dict and len(requests) == 1:
+                for seq_id, value in requests.items():
+                    batch = reserve_one(
+                        self._seqs, seq_id, value, self.pool, self.max_size, self._sharing is not None
+                    )
+                    if batch is not None:
+                        return batch
+            return reserve_requests(
+                self._seqs, requests, self.pool, self.max_size, self._sharing is not None, self._counters
+            )
+
+    def write(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
+        """Store one layer's k/v for every token of ``batch``.
+
+        Args:
+            layer: the layer index.
+            batch: from ``reserve``.
+            keys: ``(batch.num_tokens, num_kv_heads, head_dim)``.
+            values: same shape.
+
+        Raises:
+            LayerIndexError: ``layer`` is out of range.
+            SequenceStateError: the batch is stale, or this layer was written.
+            ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
+        """
+        with self.pool.lock:  # inline, as in reserve
+            write_layer(
+                self.pool, self._seqs, self._sharing, self._max_abs_key, self.trusted_inputs,
+                layer, batch, keys, values, self._scan_index,
+            )
+
+    def attend(
+        self, layer: int, batch: Batch, queries: Any, *, method: str = "loop", scale: float | None = None
+    ) -> npt.NDArray[Any]:
+        """Attention of every new token of ``batch`` over its own sequence, in one call.
+
+        Token at logical index ``p`` of a sequence attends to indices
+        ``max(sinks, p - W + 1) .. p`` of that sequence (``W`` the layer's
+        window) and to its sink tokens.
+
+        Args:
+            layer: the layer index; ``write`` must have stored this batch in it.
+            batch: from ``reserve``.
+            queries: ``(batch.num_tokens, num_q_heads, head_dim)``; a CPU torch
+                tensor gives a torch tensor back.
+            method: ``"loop"`` (one kernel call per sequence; the default,
+                measured faster, see ``benchmarks/bench_manager.py``) or
+                ``"padded"`` (one vectorized call for a batch of single-token
+                decodes, padded to the longest; equal within tolerance).
+            scale: multiplies every score in this call instead of the
+                manager's ``scale`` (transformers passes one with each call).
+
+        Returns:
+            A new ``(batch.num_tokens, num_q_heads, head_dim)`` array (a torch
+            tensor sharing its memory when ``queries`` is one).
+
+        Raises:
+            LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
+            NonFiniteError, ConfigError: bad arguments; nothing changes.
+        """
+        scale = self.scale if scale is None else check_scale(scale)
+        out = attend_layer(
+            self.pool, self._seqs, self._max_abs_key, scale, self.num_q_heads, self.layer_max_sizes,
+            layer, batch, queries, method, self.trusted_inputs,
+        )
+        return like_input(queries, out)  # type: ignore[no-any-return]
+
+    @locked
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Start ``child`` as a copy of ``parent`` that shares every block (no copy).
+
+        The first append to a shared, partly filled block copies it first
+        (copy-on-write), so neither sequence ever sees the other's later tokens.
+
+        Raises:
+            UnknownSequenceError: ``parent`` is not known.
+            DuplicateSequenceError: ``child`` is already known.
+            SequenceStateError: ``parent`` is not running or has unwritten layers.
+        """
+        seq = self._get(parent)
+        self._seqs.check_new(child)
+        check_settled(seq, "fork")
+        twin = seq.fork(child)
+        self.pool.allocator.share(seq.table.block_ids)
+        self._seqs[child] = twin
+        self._counters["forks"] += 1
+
+    @locked
+    def cancel_reservation(self, seq_id: Hashable) -> None:
+        """Take back ``seq_id``'s reserved tokens that some layer has not written.
+
+        The sequence returns to the tokens every layer has written (its last
+        batch becomes stale); blocks that then hold nothing go back to the
+        pool. Use it when a step is abandoned half-way, for instance after
+        another sequence of the same batch was freed or preempted.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            SequenceStateError: it is not running.
+        """
+        seq = self._get(seq_id)
+        if seq.state is not SequenceState.RUNNING:
+            raise SequenceStateError(f"sequence {seq_id!r} is {seq.state.value}, not running")
+        released = seq.take_back_unwritten()
+        if self._sharing is not None:
+            # NOTE: unwritten tokens are never keyed, so nothing should go here;
+            # the rule of truncate holds for every path that shortens a table.
+            self._sharing.retract_truncated(seq, released)
+        if released:
+            self.pool.allocator.free(released)
+
+    @locked
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens of ``seq_id`` (speculative decoding's rollback).
+
+        Every layer forgets the later tokens; blocks that then hold nothing go
+        back to the pool, and with prefix caching a block that is no longer
+        full loses its key (its free slots are about to be overwritten), as
+        does a dropped block no other sequence holds. A partly kept block
+        that another sequence still holds keeps its key (true for that one),
+        and this sequence's next append copies it first, even after the
+        others left: a keyed block is never written. All or nothing.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            InputTypeError, ConfigError: ``num_tokens`` is not an int in
+                ``0 .. num_tokens(seq_id)``.
+            SequenceStateError: the sequence is not running, some layer has
+                not written tokens it would keep, or the next token would
+                attend to tokens the window already evicted.
+        """
+        seq = self._get(seq_id)
+        num_tokens = seq.check_truncate(num_tokens, self.max_size)
+        if num_tokens == seq.table.num_tokens:
+            return
+        # ---- validated: nothing below can fail ----
+        released = seq.truncate(num_tokens)
+        if self._sharing is not None:
+            self._sharing.retract_truncated(seq, released)
+        self.pool.allocator.free(released)
+
+    @locked
+    def free(self, seq_id: Hashable) -> None:
+        """Forget ``seq_id`` and give its blocks back, tail first.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known (or already freed).
+        """
+        seq = self._get(seq_id)
+        release_record(seq, self.pool, self.host_pool)
+        del self._seqs[seq_id]
+
+    @locked
+    def preempt(self, seq_id: Hashable, mode: str = "recompute") -> None:
+        """Take a running sequence's blocks away; ``resume`` brings it back.
+
+        Args:
+            seq_id: a running sequence.
+            mode: ``"recompute"`` frees its blocks and forgets its tokens (the
+                caller re-feeds them after ``resume``); ``"swap"`` copies its
+                blocks to the host pool first, and ``resume`` restores them.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            SequenceStateError: it is not running, or (swap) has unwritten layers.
+            ConfigError: swap without a host pool, or an unknown mode.
+            PoolExhaustedError: (swap) the host pool is full; nothing changes.
+        """
+        preempt_record(self._get(seq_id), mode, self.pool, self.host_pool, self._counters)
+
+    @locked
+    def resume(self, seq_id: Hashable) -> int:
+        """Bring a preempted or swapped sequence back to running.
+
+        A swapped sequence gets its blocks back in whatever device blocks are
+        free, with identical contents. A recompute-preempted one comes back
+        empty, except that with prefix caching the still-cached blocks of its
+        own token history are shared again; the caller re-feeds the rest.
+        Such reuse is counted apart from prefix hits (vLLM #25780 counted
+        recomputation after preemption as hits).
+
+        Returns:
+            Tokens the sequence holds again: all of them after a swap; after a
+            recompute preemption the leading tokens found in the prefix cache
+            (a multiple of block_size, never all), else 0.
+
+        Raises:
+            UnknownSequenceError: ``seq_id`` is not known.
+            SequenceStateError: it is running already.
+            PoolExhaustedError: (swapped) not enough free device blocks; nothing changes.
+        """
+        return resume_record(self._get(seq_id), self.pool, self.host_pool, self._sharing, self._counters)
+
+    # ---------------------------------------------------------------- private
+
+    def _get(self, seq_id: Hashable) -> SequenceRecord:
+        return self._seqs.record(seq_id)
+
+

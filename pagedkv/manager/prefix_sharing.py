@@ -1,0 +1,345 @@
+"""The manager's prefix-caching glue: keying a sequence's full blocks, and sharing them at admission.
+
+:mod:`pagedkv.prefix.cache` maps keys to blocks and knows nothing of
+sequences; the manager owns the sequences and knows nothing of keys. This
+module joins them: it computes a sequence's block keys from its token ids,
+registers each full block once every layer has written it, and turns a
+prompt's longest cached prefix into a block table of shared blocks.
+
+    prompt  [t0 .. t15 | t16 .. t31 | t32 t33]     block_size 16
+    keys     k0         k1 = H(k0, t16..t31)        (the partial block has no key)
+    lookup   k0 hit, k1 hit  -> share 2 blocks, the caller computes t32 on
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+from pagedkv.blocks.allocator import BlockAllocator
+from pagedkv.blocks.table import BlockTable
+from pagedkv.counts import ceil_div
+from pagedkv.errors import SequenceStateError
+from pagedkv.manager.config import ManagerConfig
+from pagedkv.manager.sequence import SequenceRecord, SequenceState
+from pagedkv.memory.pool import KVPool
+from pagedkv.prefix.cache import (
+    ROOT_KEY,
+    PrefixCache,
+    block_keys,
+    hash_function,
+)
+from pagedkv.prefix.events import KVEventBuffer
+from pagedkv.prefix.keys import decode_extra_keys
+from pagedkv.prefix.stats import HitWindow
+
+__all__ = ["PrefixSharing"]
+
+
+class PrefixSharing:
+    """One manager's prefix cache and the rules that tie it to sequences.
+
+    Invariants (``check_invariants``, over the manager's running records):
+        * a key names its block's contents: a held block among a record's
+          first ``len(block_keys)`` logical blocks has no key or that key;
+        * a keyed block is never written: a table may hold a keyed block
+          partly (``truncate`` cut into it while another table held it full,
+          and the key stayed true for that one), and then its next append
+          copies it first, whatever its ref count by then
+          (``BlockAllocator.must_copy_before_append``).
+
+    NOTE: truncation drops the key of a block it leaves partly held only
+    when no other table holds it (then it is about to be overwritten in
+    place); a key still true for another holder stays, and the truncated
+    table never writes into the block. Dropping the key instead when the
+    last full holder leaves would need to know which tables hold a block
+    fully, which the allocator's ref counts do not say::
+
+        block_size 2         a: [1 2] [3 4]   b: [1 2] [3 4] [5]   (block 1 keyed, ref count 2)
+        truncate(a, 3)       a: [1 2] [3 .]   key of block 1 stays: b holds it full
+        free(b)              block 1: ref count 1, keyed, held partly by a
+        reserve(a, [9])      a copies block 1 first; block 1 waits, still keyed, in the cached free queue
+
+    Args:
+        allocator: the device pool's allocator.
+        block_size: the pool's block size.
+        num_sink_tokens: the manager's sink tokens (sink blocks are always shared).
+        window: the window that frees blocks, or None.
+        num_layers: layers of the pool (a hit counts as written in every one).
+        hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix.cache.hash_function`).
+        events: where key changes are reported (``kv_events``), or None.
+
+    Raises:
+        ConfigError: an unknown hash, or the allocator already runs a prefix cache.
+        ImportError: ``"xxh3_128"`` without the ``xxhash`` extra.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        block_size: int,
+        num_sink_tokens: int,
+        window: int | None,
+        num_layers: int,
+        hash_algorithm: str,
+        events: KVEventBuffer | None = None,
+    ) -> None:
+        self._hasher = hash_function(hash_algorithm)
+        self._allocator = allocator
+        self._block_size = block_size
+        self._num_sink_tokens = num_sink_tokens
+        self._window = window
+        self._num_layers = num_layers
+        #: The key -> block map itself.
+        self.cache = PrefixCache(allocator)
+        self.cache.events = events
+        #: Hit rates, cumulative and over the most recent requests.
+        self.stats = HitWindow()
+        # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
+        self._memo: tuple[bytes, bytes, list[bytes]] | None = None
+
+    @classmethod
+    def for_manager(cls, pool: KVPool, config: ManagerConfig) -> PrefixSharing:
+        """The prefix sharing of a manager on ``pool`` configured with ``config``."""
+        return cls(
+            pool.allocator,
+            block_size=pool.block_size,
+            num_sink_tokens=config.num_sink_tokens,
+            window=config.window,
+            num_layers=pool.num_layers,
+            hash_algorithm=config.hash_algorithm,
+            events=(
+                KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
+            ),
+        )
+
+    def reset(self, num_used_blocks: int) -> None:
+        """Drop every key (``KVCacheManager.reset_prefix_cache``); refused while blocks are in use.
+
+        Raises:
+            SequenceStateError: ``num_used_blocks`` blocks are in use.
+        """
+        if num_used_blocks:
+            raise SequenceStateError(
+                f"{num_used_blocks} blocks are in use; free every sequence before a reset"
+            )
+        self.cache.reset()
+
+    def prompt_keys(self, known: list[bytes], tokens: bytes, num_usable: int, extras: bytes) -> list[bytes]:
+        """Keys of the first ``num_usable`` full blocks of ``tokens``; ``known`` leading keys are reused.
+
+        The last lookup's keys are remembered (one entry), so ``lookup`` then
+        ``add_sequence`` of the same prompt hashes each block once.
+        """
+        keys = known[:num_usable]
+        if len(keys) >= num_usable:
+            return keys
+        bs = self._block_size
+        step = 8 * bs
+        memo = self._memo
+        if (
+            memo is not None and not keys and memo[0] == extras and len(memo[2]) >= num_usable
+            and tokens[: step * num_usable] == memo[1][: step * num_usable]
+        ):
+            return memo[2][:num_usable]
+        parent = keys[-1] if keys else ROOT_KEY
+        keys += block_keys(
+            parent, tokens[step * len(keys) : step * num_usable], bs, extras, self._hasher, len(keys)
+        )
+        if not known:
+            self._memo = (extras, tokens[: step * num_usable], keys)
+        return keys
+
+    def find_hit(self, keys: list[bytes]) -> tuple[int, int, list[int]]:
+        """Where a prompt with block ``keys`` would start: ``(hit blocks, window start, held ids)``.
+
+        Without a window the hit is the longest run of cached keys from the
+        first. With a window ``W`` a prompt of ``n`` blocks needs only what its
+        next token attends to: the sink blocks and the blocks from its window
+        start on (vLLM's sliding-window rule); the largest such ``n`` wins, and
+        the blocks before the window need not be cached at all::
+
+            block_size 2, W 3, keys k0 k1 k2 k3, cached: _ _ k2 k3  (k0, k1 evicted)
+            n = 4: the next token (index 8) attends 6..8: block 3 only -> hit 4 blocks
+
+        Changes nothing.
+        """
+        bs, sinks, window = self._block_size, self._num_sink_tokens, self._window
+        if window is None:  # the longest run from the first key, which stops at the first miss
+            hit = self.cache.longest_prefix(keys)
+            return (len(hit), min(sinks, len(hit) * bs), hit) if hit else (0, sinks, [])
+        found = [self.cache.block_for(key) for key in keys]
+        # run[i]: how many cached blocks end at block i, consecutively.
+        run, length = [], 0
+        for block_id in found:
+            length = length + 1 if block_id is not None else 0
+            run.append(length)
+        lead = next((i for i, block_id in enumerate(found) if block_id is None), len(found))
+        num_sink_blocks = ceil_div(sinks, bs)
+        for num_hit in range(len(found), 0, -1):
+            num_tokens = num_hit * bs
+            window_start = min(max(sinks, num_tokens + 1 - window), num_tokens)
+            num_sinks = min(num_sink_blocks, num_hit)
+            first = max(num_sinks, window_start // bs)
+            if lead >= num_sinks and (first >= num_hit or run[num_hit - 1] >= num_hit - first):
+                held = [*found[:num_sinks], *found[first:num_hit]]
+                return num_hit, window_start, held  # type: ignore[return-value]  # all cached: ints
+        return 0, sinks, []
+
+    def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
+        """Share the cached blocks a prompt of ``token_ids`` starts from into ``record``; return its tokens.
+
+        ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
+        Keys ``record`` already has (``block_keys``, then ``prompt_keys``: a
+        sequence resumed after a recompute preemption) must be keys of
+        ``token_ids``' leading blocks; they are used, not hashed again. Every
+        other usable block is hashed here, once: the keys past the hit stay
+        in ``record.prompt_keys`` until their blocks are written.
+
+        NOTE: the whole chain is computed (a key proves its entire prefix),
+        but with a sliding window only the sink blocks and the blocks the next
+        token's window reaches are shared (see ``find_hit``): blocks that slid
+        out of the window are not needed and stay free for others.
+        """
+        bs = self._block_size
+        num_usable = (len(token_ids) - 1) // bs  # always leave the last token to compute
+        known = record.block_keys + record.prompt_keys
+        keys = self.prompt_keys(known, tokens, num_usable, record.extras)
+        reference = tokens if len(tokens) >= len(record.prompt_tokens) else (
+            tokens + record.prompt_tokens[len(tokens) :]
+        )
+        chain = keys if len(keys) >= len(known) else known
+        num_blocks, window_start, held = self.find_hit(keys)
+        record.block_keys = keys[:num_blocks]
+        record.prompt_keys = chain[num_blocks:]
+        record.prompt_tokens = reference if record.prompt_keys else b""
+        if not num_blocks:
+            return 0
+        num_hit = num_blocks * bs
+        allocator = self._allocator
+        for block_id in held:
+            if allocator.ref_count(block_id) == 0:
+                allocator.revive(block_id)
+            else:
+                allocator.share([block_id])
+        record.table = BlockTable.restored(bs, self._num_sink_tokens, num_hit, window_start, held)
+        record.num_written = [num_hit] * self._num_layers
+        record.token_ids = token_ids[:num_hit]
+        return num_hit
+
+    def key_full_blocks(self, record: SequenceRecord) -> None:
+        """Give keys to ``record``'s blocks that are full and written in every layer.
+
+        A block's key is its prompt key when admission computed one, else it
+        is hashed now: each block is hashed once.
+        """
+        if record.token_ids is None:
+            return
+        bs = self._block_size
+        first = len(record.block_keys)
+        num_full = min(record.num_written) // bs
+        if num_full <= first:
+            return
+        pending = record.prompt_keys
+        new_keys = pending[: num_full - first]
+        if new_keys:
+            del pending[: len(new_keys)]
+            if not pending:
+                record.prompt_tokens = b""
+        num_ready = first + len(new_keys)
+        if num_ready < num_full:
+            parent = new_keys[-1] if new_keys else record.block_keys[-1] if record.block_keys else ROOT_KEY
+            # ids reserve (or add_sequence) validated: their bytes alone are wanted (token_bytes' rule)
+            tokens = array("q", record.token_ids[num_ready * bs : num_full * bs]).tobytes()
+            new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher, num_ready)
+        record.block_keys.extend(new_keys)
+        self._register(record, range(first, num_full))
+
+    def retract_truncated(self, record: SequenceRecord, released: list[int]) -> None:
+        """After ``record.truncate``, drop the keys its rollback made untrue or unowned.
+
+        The block now holding the newest token is no longer full: its key goes
+        unless another sequence still holds it. A kept key stays true, for the
+        block is never written under it: the next append of ``record`` copies
+        it first, even once the others have left (see the class docstring). A
+        released block loses its key when no one else holds it. Call before
+        freeing ``released``.
+        """
+        allocator, cache = self._allocator, self.cache
+        table = record.table
+        tail = [table.last_block_id] if table.num_blocks and table.num_tokens % self._block_size else []
+        for block_id in [*released, *tail]:
+            if allocator.ref_count(block_id) == 1:
+                cache.forget(block_id)
+
+    def check_invariants(self, records: Iterable[SequenceRecord]) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken for ``records``.
+
+        Args:
+            records: every record of the manager (only running ones hold device blocks).
+        """
+        cache, allocator, bs = self.cache, self._allocator, self._block_size
+        for record in records:
+            if record.state is not SequenceState.RUNNING:
+                continue
+            table = record.table
+            name = f"sequence {record.seq_id!r}"
+            logical_blocks = range(len(record.block_keys))
+            for logical_block, block_id in zip(logical_blocks, table.ids_of_blocks(logical_blocks)):
+                key = None if block_id is None else cache.key_of(block_id)
+                if key is not None and key != record.block_keys[logical_block]:
+                    raise AssertionError(
+                        f"{name}: block {block_id} (logical block {logical_block}) is keyed for "
+                        "other contents than the sequence wrote there: a keyed block was written"
+                    )
+            if not table.num_blocks or not table.num_tokens % bs:
+                continue
+            last = table.last_block_id
+            if cache.key_of(last) is not None and not allocator.must_copy_before_append(last):
+                raise AssertionError(
+                    f"{name} holds keyed block {last} partly and would append into it without a copy"
+                )
+
+    def rekey_restored(self, record: SequenceRecord) -> None:
+        """After a swap-in, key the restored full blocks whose keys are free again."""
+        self._register(record, range(len(record.block_keys)))
+
+    def _register(self, record: SequenceRecord, logical_blocks: range) -> None:
+        """Key ``record``'s held blocks among ``logical_blocks`` whose keys are free; report the runs.
+
+        With events on, each run of consecutive newly keyed blocks is one
+        ``BlockStored``, whose parent is the key of the block before it.
+        """
+        keys = record.block_keys[logical_blocks.start : logical_blocks.stop]
+        stored = self.cache.register_blocks(record.table.ids_of_blocks(logical_blocks), keys)
+        if self.cache.events is None:
+            return
+        run: list[int] = []
+        for logical_block, fresh in zip(logical_blocks, stored):
+            if fresh:
+                run.append(logical_block)
+                continue
+            self._report(record, run)
+            run = []
+        self._report(record, run)
+
+    def _report(self, record: SequenceRecord, run: list[int]) -> None:
+        events = self.cache.events
+        if events is None or not run:
+            return
+        bs = self._block_size
+        first, end = run[0], run[-1] + 1
+        token_ids = [] if record.token_ids is None else record.token_ids[first * bs : end * bs]
+        events.stored(
+            record.block_keys[first:end],
+            record.block_keys[first - 1] if first else None,
+            token_ids,
+            block_size=bs,
+            adapter=self._adapter(record),
+        )
+
+    @staticmethod
+    def _adapter(record: SequenceRecord) -> str | int | None:
+        adapter = decode_extra_keys(record.extras).get("adapter") if record.extras else None
+        return adapter if isinstance(adapter, (str, int)) else None
