@@ -33,10 +33,9 @@ from pagedkv.errors import (
     UnknownBlockError,
     UnknownSequenceError,
 )
-from pagedkv.manager.batch import Batch
 from pagedkv.manager.manager import KVCacheManager, SequenceState
 from pagedkv.manager.metrics import ManagerMetrics
-from pagedkv.manager.reserve import ReservationPlan
+from pagedkv.manager.reserve import Batch, ReservationPlan
 from pagedkv.memory.pool import KVPool
 
 __version__ = "0.1.0"

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from pagedkv.blocks.table import BlockTable
-from pagedkv.manager.sequence import SequenceRegistry, SequenceState
 from pagedkv.memory.pool import KVPool
 
-if TYPE_CHECKING:
-    from pagedkv.manager.prefix_sharing import PrefixSharing
-
-__all__ = ["locked", "release_cache", "release_manager", "run_or_defer"]
+__all__ = ["locked", "release_cache", "run_or_defer"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -68,26 +64,3 @@ def release_cache(pool: KVPool, table: BlockTable) -> None:
     """A dropped ``KVCache``'s finalizer: give its table's blocks back to its shared pool."""
     block_ids = table.clear()
     run_or_defer(pool, lambda: pool.allocator.free(block_ids))
-
-
-def release_manager(
-    pool: KVPool, host_pool: KVPool | None, records: SequenceRegistry, sharing: PrefixSharing | None
-) -> None:
-    """A dropped ``KVCacheManager``'s finalizer: give every block back and close its prefix cache."""
-    device: list[int] = []
-    host: list[int] = []
-    for record in records.values():
-        if record.state is SequenceState.RUNNING:
-            device.extend(record.table.clear())
-        elif record.state is SequenceState.SWAPPED:
-            host.extend(record.table.clear())
-    records.clear()
-
-    def give_back() -> None:
-        pool.allocator.free(device)
-        if sharing is not None:
-            sharing.cache.close()
-
-    run_or_defer(pool, give_back)
-    if host_pool is not None and host:
-        run_or_defer(host_pool, lambda: host_pool.allocator.free(host))

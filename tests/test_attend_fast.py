@@ -2,7 +2,7 @@
 
 Every test drives two managers with the same calls: on ``fast`` ``attend``
 runs as shipped, on ``general`` the fast path is switched off (it always
-declines), so ``attend_layer``'s general path decides. Outcomes (errors and
+declines), so ``KVCacheManager._attend_layer`` decides. Outcomes (errors and
 their messages, output bytes) and everything observable must agree. The
 score bound's shortcut is compared with the exact rule, and the kernel's
 keys-first scoring with a float64 oracle that shares no code with it.
@@ -20,13 +20,10 @@ from hypothesis import strategies as st
 from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
-import pagedkv.manager.attend_fast
-import pagedkv.manager.forward
 from pagedkv import KVCacheManager, attention
 from pagedkv.errors import NonFiniteError, PagedKVError
 from pagedkv.inputs import check_score_bound, check_score_bound_from_max
-from pagedkv.manager.attend_fast import attend_one_sequence
-from pagedkv.manager.batch import Batch
+from pagedkv.manager.reserve import Batch
 from pagedkv.reference import attend_window
 
 F32 = np.dtype(np.float32)
@@ -43,12 +40,12 @@ def _outcome(call: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _general_attend(manager: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
     """``manager.attend`` with the fast path declining, so the general path decides."""
-    saved = pagedkv.manager.forward.attend_one_sequence
-    pagedkv.manager.forward.attend_one_sequence = lambda *_: None
+    saved = KVCacheManager._attend_one_sequence
+    KVCacheManager._attend_one_sequence = lambda *_: None  # type: ignore[method-assign,assignment]
     try:
         return manager.attend(*args, **kwargs)
     finally:
-        pagedkv.manager.forward.attend_one_sequence = saved
+        KVCacheManager._attend_one_sequence = saved  # type: ignore[method-assign]
 
 
 # Queries an attend may get: good ones, bad values, and bad types, dtypes and shapes.
@@ -144,7 +141,12 @@ def test_the_comparison_catches_a_fast_path_without_the_score_bound(monkeypatch:
         ("attend", 0, good, "loop", 1e20, False),  # scores could reach 1e20 * 2 * 1e19: refused
     ]
     _compare({}, calls)  # as shipped: both refuse
-    monkeypatch.setattr(pagedkv.manager.attend_fast, "check_score_bound_from_max", lambda *_: None)
+    fast_path = KVCacheManager._attend_one_sequence
+
+    def without_the_bound(manager: KVCacheManager, *args: Any) -> Any:  # planted: no bound (nor scan)
+        return fast_path(manager, *args[:-1], False)
+
+    monkeypatch.setattr(KVCacheManager, "_attend_one_sequence", without_the_bound)
     with pytest.raises(AssertionError), np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the planted fast path overflows: an output of NaN, no error
         _compare({}, calls)
@@ -161,9 +163,7 @@ def test_a_decode_takes_the_fast_path_and_matches_the_reference() -> None:
     batch = manager.reserve({"a": 1})
     manager.write(0, batch, keys[5:], values[5:])
     query = rng.standard_normal((1, 4, 3)).astype(np.float32)
-    direct = attend_one_sequence(
-        manager.pool, manager._seqs, manager._max_abs_key, 0.5, 4, [None], 0, batch, query, "loop"
-    )
+    direct = manager._attend_one_sequence(0, batch, query, "loop", 0.5, True)
     assert direct is not None  # the fast path took it
     expected = attend_window(query[0], list(keys), list(values), scale=0.5, dtype=np.float32)
     through_manager = manager.attend(0, batch, query, scale=0.5)
@@ -283,12 +283,14 @@ def test_an_unscanned_query_skips_its_values_but_not_its_shape() -> None:
     manager = make_manager(8, block_size=4)
     manager.add_sequence("a")
     batch = settle(manager, {"a": 2}, value=1e200)
-    args = (manager.pool, manager._seqs, manager._max_abs_key, 1.0, 1, [None], 0, batch)
+    def attend_one_sequence(queries: Any, method: str, scan: bool = True) -> Any:
+        return manager._attend_one_sequence(0, batch, queries, method, 1.0, scan)
+
     huge = np.full((2, 1, 1), 1e200)  # scores could reach 1e400: refused when scanned
     with pytest.raises(NonFiniteError, match="could reach"):
-        attend_one_sequence(*args, huge, "loop")
+        attend_one_sequence(huge, "loop")
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the engine vouched: its overflow is its own
-        assert attend_one_sequence(*args, huge, "loop", False) is not None
+        assert attend_one_sequence(huge, "loop", False) is not None
     with pytest.raises(PagedKVError, match="queries must have shape"):
-        attend_one_sequence(*args, np.ones((1, 1, 1)), "loop", False)
+        attend_one_sequence(np.ones((1, 1, 1)), "loop", False)

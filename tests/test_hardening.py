@@ -6,7 +6,6 @@ Each test failed on the code before its fix; the comment above it says how.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv import KVCache, KVCacheManager, KVPool
+from pagedkv import Batch, KVCache, KVCacheManager, KVPool
 from pagedkv.errors import (
     ConfigError,
     InputTypeError,
@@ -207,7 +206,10 @@ def test_a_batchs_arrays_are_read_only_for_good() -> None:
 def test_write_and_attend_refuse_a_batch_that_reserve_did_not_return() -> None:
     manager, batch = _two_sequences()
     b_slots = np.array([manager.block_table("b").slot(0)], np.int64)
-    forged = dataclasses.replace(batch, slot_mapping=b_slots)
+    forged = Batch(  # reserve's batch with another slot mapping
+        batch.seq_ids, batch.num_new_tokens, batch.first_positions, batch.query_start, b_slots,
+        batch.reservation_ids,
+    )
     b_keys_before = manager.pool.keys(0).copy()
     with pytest.raises(SequenceStateError, match=r"not the one reserve\(\) returned"):
         manager.write(0, forged, np.zeros((1, 1, 1)), np.zeros((1, 1, 1)))

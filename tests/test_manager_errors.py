@@ -18,7 +18,7 @@ The standard state (block_size 4, 12 device blocks, 2 host blocks)::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -352,7 +352,11 @@ def test_batch_of_a_twin_manager_with_the_same_stamps_is_refused() -> None:
 def test_tampered_batch_is_refused() -> None:
     def action(w: World) -> None:
         assert w.pending is not None
-        forged = replace(w.pending, reservation_ids=tuple(i + 10**9 for i in w.pending.reservation_ids))
+        p = w.pending
+        forged = Batch(  # reserve's batch with other stamps
+            p.seq_ids, p.num_new_tokens, p.first_positions, p.query_start, p.slot_mapping,
+            tuple(i + 10**9 for i in p.reservation_ids),
+        )
         w.m.write(1, forged, kv(2), kv(2))
 
     assert_refused(action, SequenceStateError, "no longer reserved")

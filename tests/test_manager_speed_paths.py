@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy as copy_module
 import importlib
 import re
 from typing import Any
@@ -40,8 +40,7 @@ from pagedkv.errors import (
     ShapeError,
 )
 from pagedkv.inputs import as_tokens, check_tokens
-from pagedkv.manager.batch import SlotRun
-from pagedkv.manager.reserve_commit import reserve_requests
+from pagedkv.manager.reserve import SlotRun, reserve_requests
 from pagedkv.prefix.cache import ROOT_KEY, block_keys, check_token_ids, pack_token_ids, token_bytes
 
 # ------------------------------------------------------------- hashing once
@@ -383,15 +382,16 @@ def test_a_decode_batch_builds_its_arrays_only_when_read() -> None:
     manager.add_sequence("a")
     settle(manager, {"a": 5})
     batch = manager.reserve({"a": 1})
-    assert list(vars(batch)) == ["_token"]  # every other field is made when first read
+    made = ("_slot_mapping", "_query_start")  # the arrays' cached slots (a slotted Batch has no __dict__)
+    assert not any(hasattr(batch, name) for name in made)  # every array is made when first read
     manager.write(0, batch, np.ones((1, 1, 1)), np.ones((1, 1, 1)))  # written by its slot
-    assert list(vars(batch)) == ["_token"]
+    assert not any(hasattr(batch, name) for name in made)
     assert batch.seq_ids == ("a",) and batch.first_positions == (5,) and batch.num_new_tokens == (1,)
-    assert not isinstance(vars(batch)["slot_mapping"], np.ndarray)
+    assert not hasattr(batch, "_slot_mapping")
     assert batch.slot_mapping.tolist() == [manager.block_table("a").slot(5)]
     assert batch.query_start.tolist() == [0, 1]
     assert not batch.slot_mapping.flags.writeable and not batch.query_start.flags.writeable
-    copy = dataclasses.replace(batch)
+    copy = copy_module.copy(batch)
     with pytest.raises(SequenceStateError, match="not the one reserve"):
         manager.attend(0, copy, np.ones((1, 1, 1)))
 

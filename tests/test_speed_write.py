@@ -1,6 +1,6 @@
 """The single-token ``write`` path (issue 13): the same checks, errors and effects as the general path.
 
-A decode's batch carries its token's block and offset (``issue_token_batch``)
+A decode's batch carries its token's block and offset (``Batch.for_token``)
 and ``write`` copies the row by them. Every test here drives two managers with
 the same calls: on ``plain`` the batch is written as ``reserve`` returned it
 (the fast path), on ``general`` the batch's token slot is removed first, so
@@ -21,17 +21,26 @@ from hypothesis import strategies as st
 from support.arrays import token_arrays
 from support.managers import make_manager, manager_state, settle
 
-import pagedkv.manager.forward
+import pagedkv.manager.manager
 from pagedkv import KVCacheManager
 from pagedkv.errors import NonFiniteError, PagedKVError, SequenceStateError, ShapeError
 from pagedkv.inputs import check_token_pair, check_tokens
-from pagedkv.manager.batch import Batch, issue_token_batch, token_slot
+from pagedkv.manager.reserve import Batch, TokenSlot
+
+
+def token_slot(batch: Batch) -> TokenSlot | None:
+    """The ``TokenSlot`` of a decode batch ``reserve`` issued; None for any other batch."""
+    return batch._token
+
+
+def issue_token_batch(seq_id: Any, position: int, slot: int, reservation_id: int) -> Batch:
+    return Batch.for_token(seq_id, position, slot, reservation_id)
 
 
 def _general(batch: Batch) -> Batch:
     """``batch`` (still the very object ``reserve`` returned) with its token slot gone: the general path."""
-    batch.seq_ids  # noqa: B018 (a decode batch makes its fields when first read: make them now)
-    vars(batch).pop("_token", None)
+    batch._slots = batch._slot_pieces()  # the slot the token held, as the general path reads it
+    batch._token = None
     return batch
 
 
@@ -299,14 +308,14 @@ def test_the_scan_index_is_used_only_under_the_pools_lock(
 ) -> None:
     manager = make_manager(8, block_size=4)
     manager.add_sequence("a")
-    checked = pagedkv.manager.forward.check_token_pair
+    checked = pagedkv.manager.manager.check_token_pair
     held: list[bool] = []
 
     def check_holding_the_lock(*args: Any) -> Any:
         held.append(manager.pool.lock.locked())
         return checked(*args)
 
-    monkeypatch.setattr(pagedkv.manager.forward, "check_token_pair", check_holding_the_lock)
+    monkeypatch.setattr(pagedkv.manager.manager, "check_token_pair", check_holding_the_lock)
     kv = np.ones((tokens, 1, 1))
     manager.write(0, manager.reserve({"a": tokens}), kv, kv)
     assert held == [True]

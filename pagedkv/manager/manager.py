@@ -1,25 +1,13 @@
-"""``KVCacheManager``: many sequences and many layers on one shared pool.
+"""``KVCacheManager``: many sequences and many layers on one shared pool (vLLM: ``KVCacheManager``).
 
-The flow of one forward step, as in an inference engine::
+One forward step, as in an inference engine::
 
     batch = manager.reserve({"a": 5, "b": 1})   # slots for new tokens, all or nothing
     for layer in range(num_layers):
         manager.write(layer, batch, k, v)        # k, v: (batch.num_tokens, num_kv_heads, head_dim)
         out = manager.attend(layer, batch, q)    # q: (batch.num_tokens, num_q_heads, head_dim)
 
-One block table per sequence serves every layer: block ``b`` of layer ``l``
-lives at ``pool.keys(l)[:, b]``, so reserving once per step is enough.
-
->>> import numpy as np
->>> from pagedkv import KVPool, KVCacheManager
->>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=2))
->>> manager.add_sequence("a")  # returns how many prompt tokens were cached
-0
->>> batch = manager.reserve({"a": 3})
->>> kv = np.ones((3, 1, 2))
->>> manager.write(0, batch, kv, kv)
->>> manager.attend(0, batch, np.ones((3, 1, 2))).shape
-(3, 1, 2)
+One block table per sequence serves every layer: block ``b`` of layer ``l`` is ``pool.keys(l)[:, b]``.
 """
 
 from __future__ import annotations
@@ -27,30 +15,38 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.blocks.table import BlockTable
-from pagedkv.counts import check_count
-from pagedkv.errors import (
-    SequenceStateError,
+from pagedkv.counts import check_count, check_layer
+from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, refuse_pickling
+from pagedkv.inputs import (
+    check_scale,
+    check_score_bound_from_max,
+    check_token_pair,
+    check_tokens,
+    like_input,
 )
-from pagedkv.inputs import check_scale, like_input
-from pagedkv.locking import locked, release_manager
-from pagedkv.manager.admission import AdmissionPlan, admit
-from pagedkv.manager.batch import Batch
+from pagedkv.locking import locked, run_or_defer
 from pagedkv.manager.config import configure
-from pagedkv.manager.forward import attend_layer, write_layer
-from pagedkv.manager.manager_prefix import PrefixCachingCommands
-from pagedkv.manager.manager_reports import ManagerReports
-from pagedkv.manager.metrics import COUNTERS
-from pagedkv.manager.preempt import preempt_record, release_record, resume_record
-from pagedkv.manager.prefix_sharing import PrefixSharing
-from pagedkv.manager.reserve import Requests, ReservationPlan, plan_requests
-from pagedkv.manager.reserve_commit import reserve_one, reserve_requests
+from pagedkv.manager.metrics import COUNTERS, ManagerMetrics, collect_metrics
+from pagedkv.manager.preempt import check_host_pool, preempt_record, release_record, resume_record
+from pagedkv.manager.prefix_sharing import AdmissionPlan, PrefixSharing, plan_admission
+from pagedkv.manager.reserve import (
+    Batch,
+    Requests,
+    ReservationPlan,
+    SlotRun,
+    batch_records,
+    plan_requests,
+    reserve_one,
+    reserve_requests,
+)
 from pagedkv.manager.sequence import (
+    RUNNING,
     ManagerState,
     SequenceHolder,
     SequenceRecord,
@@ -58,15 +54,40 @@ from pagedkv.manager.sequence import (
     SequenceState,
     check_settled,
 )
-from pagedkv.manager.swap import check_host_pool
 from pagedkv.memory.pool import KVPool
-from pagedkv.prefix.keys import ExtraKeys
+from pagedkv.paged_attention import attend_batch, attend_sequence
+from pagedkv.prefix.cache import PrefixCache, check_token_ids, pack_token_ids
+from pagedkv.prefix.events import KVEvent, KVEventBuffer
+from pagedkv.prefix.keys import ExtraKeys, encode_extra_keys
+from pagedkv.prefix.stats import PrefixStats
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
 
-class KVCacheManager(PrefixCachingCommands, ManagerReports):
+class KVCacheManager:
     """Block tables for many sequences over one :class:`~pagedkv.KVPool`.
+
+    >>> import numpy as np
+    >>> from pagedkv import KVPool, KVCacheManager
+    >>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=2))
+    >>> manager.add_sequence("a")  # returns how many prompt tokens were cached
+    0
+    >>> batch = manager.reserve({"a": 3})
+    >>> kv = np.ones((3, 1, 2))
+    >>> manager.write(0, batch, kv, kv)
+    >>> manager.attend(0, batch, np.ones((3, 1, 2))).shape
+    (3, 1, 2)
+
+    NOTE: KV-cache groups (the next issue: full attention, sliding window and
+    chunked local layers, each group with its own block table per sequence, as
+    vLLM's ``KVCacheCoordinator`` holds one ``SingleTypeKVCacheManager`` per
+    group) slot in where a sequence's one ``SequenceRecord.table`` is read:
+    planning and committing a reservation (``manager/reserve.py``: ``plan_step``
+    and ``commit_step`` per table), ``_write_layer`` and ``_attend_layer`` /
+    ``_attend_one_sequence`` (a layer picks its group's table and window from
+    ``layer_max_sizes``), ``fork`` / ``truncate`` / ``cancel_reservation``
+    (each table alike), ``preempt.py`` (swap moves every table) and the
+    queries ``block_table`` / ``num_tokens`` / ``window_start``.
 
     Threads: independent sequences may be driven from different threads (every
     command holds the pool's lock; attention runs outside it on per-thread
@@ -176,7 +197,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         pool.attach(self._holders[0])
         if host_pool is not None:
             host_pool.attach(self._holders[1])
-        weakref.finalize(self, release_manager, pool, self.host_pool, self._seqs, self._sharing)
+        weakref.finalize(self, _release_manager, pool, self.host_pool, self._seqs, self._sharing)
 
     # ---------------------------------------------------------------- queries
 
@@ -296,11 +317,30 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
             DuplicateSequenceError: ``seq_id`` is already known.
             InputTypeError, ConfigError: a bad id, token id or extra key.
         """
-        return admit(
-            self._seqs, self._sharing, self._counters, seq_id, prompt, extra_keys, cache_blocks,
-            block_size=self.pool.block_size, num_sink_tokens=self.num_sink_tokens,
-            num_layers=self.pool.num_layers,
-        )
+        self._seqs.check_new(seq_id)
+        if not isinstance(cache_blocks, bool):
+            raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
+        extras = encode_extra_keys(extra_keys)
+        what = "prompt must be a sequence of token ids"
+        sharing = self._sharing
+        token_ids, tokens = None, b""
+        if prompt is not None and sharing is None:
+            check_token_ids(prompt, what)  # validated all the same; without a prefix cache it is not kept
+        elif prompt is not None:
+            token_ids, tokens = pack_token_ids(prompt, what)
+        # ---- validated: nothing below can fail ----
+        pool = self.pool
+        record = SequenceRecord(seq_id, BlockTable(pool.block_size, self.num_sink_tokens), pool.num_layers)
+        record.extras = extras
+        self._seqs[seq_id] = record
+        num_hit = 0
+        if sharing is not None and token_ids is not None:
+            self._counters["prefix_queries"] += len(token_ids)
+            num_hit = sharing.admit(record, token_ids, tokens)
+            self._counters["prefix_hits"] += num_hit
+        if not cache_blocks:
+            record.stop_keying()
+        return num_hit
 
     def reserve(self, requests: Requests) -> Batch:
         """Reserve slots for new tokens of several sequences, all or nothing.
@@ -317,7 +357,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
                 get keys (see ``add_sequence(..., cache_blocks=...)``).
 
         Returns:
-            The :class:`~pagedkv.manager.batch.Batch` to write and attend, every layer.
+            The :class:`~pagedkv.manager.reserve.Batch` to write and attend, every layer.
 
         Raises:
             UnknownSequenceError: an id is not known.
@@ -358,10 +398,7 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
             ShapeError, InputTypeError, NonFiniteError: bad ``keys``/``values``.
         """
         with self.pool.lock:  # inline, as in reserve
-            write_layer(
-                self.pool, self._seqs, self._sharing, self._max_abs_key, self.trusted_inputs,
-                layer, batch, keys, values, self._scan_index,
-            )
+            self._write_layer(layer, batch, keys, values)
 
     def attend(
         self, layer: int, batch: Batch, queries: Any, *, method: str = "loop", scale: float | None = None
@@ -393,10 +430,10 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
             NonFiniteError, ConfigError: bad arguments; nothing changes.
         """
         scale = self.scale if scale is None else check_scale(scale)
-        out = attend_layer(
-            self.pool, self._seqs, self._max_abs_key, scale, self.num_q_heads, self.layer_max_sizes,
-            layer, batch, queries, method, self.trusted_inputs,
-        )
+        # One sequence as reserve() returned it (every decode of one request): checked in one pass.
+        out = self._attend_one_sequence(layer, batch, queries, method, scale, not self.trusted_inputs)
+        if out is None:
+            out = self._attend_layer(layer, batch, queries, method, scale)
         return like_input(queries, out)  # type: ignore[no-any-return]
 
     @locked
@@ -525,9 +562,340 @@ class KVCacheManager(PrefixCachingCommands, ManagerReports):
         """
         return resume_record(self._get(seq_id), self.pool, self.host_pool, self._sharing, self._counters)
 
+    # ------------------------------------------------------- prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether this manager runs prefix caching (``enable_prefix_caching``)."""
+        return self._sharing is not None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The key -> block map of prefix caching (read it; do not change it), or None when off."""
+        return self._sharing.cache if self._sharing is not None else None
+
+    @property
+    def kv_events(self) -> KVEventBuffer | None:
+        """The KV event buffer (read its counts; take events with ``drain_kv_events``), or None when off."""
+        return self._sharing.cache.events if self._sharing is not None else None
+
+    @locked
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last drain, oldest first (see :mod:`pagedkv.prefix.events`).
+
+        After the buffer overflowed (or ``kv_events.request_resync()``), a
+        resync instead: ``AllBlocksCleared``, then every keyed block, parents
+        first. Applying every drain in order leaves a consumer's index equal
+        to the prefix cache's keys, overflow or not.
+
+        Raises:
+            ConfigError: events are off (``kv_events=False``).
+        """
+        events = self.kv_events
+        if events is None:
+            raise ConfigError("KV events are off: pass enable_prefix_caching=True, kv_events=True")
+        return events.drain()
+
+    @locked
+    def lookup(
+        self, prompt: Sequence[int], *, extra_keys: ExtraKeys | None = None
+    ) -> AdmissionPlan:
+        """What admitting ``prompt`` would find cached and take, changing nothing.
+
+        ``add_sequence(seq_id, prompt, extra_keys=...)`` then returns exactly
+        ``num_cached_tokens``, and it with one ``reserve`` of the rest of the
+        prompt takes exactly ``num_blocks_taken`` blocks, if nothing happens
+        in between. The keys computed here are kept for that ``add_sequence``
+        (each block is still hashed once).
+
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), enable_prefix_caching=True)
+        >>> plan = manager.lookup([1, 2, 3, 4, 5])
+        >>> plan.num_cached_tokens, plan.num_new_blocks, plan.fits
+        (0, 3, True)
+
+        Raises:
+            InputTypeError, ConfigError: a bad token id or extra key.
+        """
+        return plan_admission(self._sharing, self.pool.allocator, prompt, extra_keys, self.pool.block_size)
+
+    @locked
+    def reset_prefix_cache(self) -> None:
+        """Drop every block key; refused while any block is in use.
+
+        Raises:
+            ConfigError: prefix caching is off.
+            SequenceStateError: blocks are in use (free every sequence first).
+        """
+        self._prefix_sharing().reset(self.pool.num_used_blocks)
+
+    @locked
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-cache hit rates: since the start or the last reset, and over the last 1,000 requests.
+
+        Raises:
+            ConfigError: prefix caching is off.
+        """
+        counters = self._counters
+        return self._prefix_sharing().stats.stats(counters["prefix_queries"], counters["prefix_hits"])
+
+    @locked
+    def reset_prefix_stats(self) -> None:
+        """Start the hit counts again: ``prefix_stats`` and the prefix counters of ``metrics``.
+
+        Raises:
+            ConfigError: prefix caching is off.
+        """
+        self._prefix_sharing().stats.reset()
+        for name in ("prefix_queries", "prefix_hits", "resumed_reuse"):
+            self._counters[name] = 0
+
+    # ------------------------------------------------------------- reporting
+
+    @locked
+    def metrics(self) -> ManagerMetrics:
+        """A snapshot of usage, occupancy, fragmentation and event counts."""
+        cache = self._sharing.cache if self._sharing is not None else None
+        return collect_metrics(
+            self.pool,
+            self.host_pool,
+            [record.state for record in self._seqs.values()],
+            [record.table for record in self._seqs.values() if record.state is SequenceState.RUNNING],
+            self._counters,
+            num_cached_blocks=cache.num_cached_blocks if cache else 0,
+            num_prefix_evictions=cache.num_evictions if cache else 0,
+        )
+
+    @locked
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
+        self.pool.check_invariants()
+        if self.host_pool is not None:
+            self.host_pool.check_invariants()
+        if self._sharing is not None:
+            self._sharing.cache.check_invariants()
+            self._sharing.stats.check_invariants()
+            self._sharing.check_invariants(self._seqs.values())
+        self._seqs.check_invariants(keyed=self._sharing is not None, has_host_pool=self.host_pool is not None)
+
+    def __reduce__(self) -> NoReturn:
+        refuse_pickling(self)
+
+    # ------------------------------------------------- snapshot hooks (internal)
+
+    def _export_state(self) -> ManagerState:
+        """Everything of this manager that its configuration and pools do not say (copies).
+
+        With ``_restore_state`` this is the manager's internal hook for
+        :mod:`pagedkv.snapshot`; no other module reads its private fields.
+        """
+        cache = self._sharing.cache if self._sharing is not None else None
+        keys, num_evictions = cache._export_state() if cache is not None else ([], 0)
+        return ManagerState(
+            max_abs_key=list(self._max_abs_key),
+            counters=dict(self._counters),
+            records=[record.export_state() for record in self._seqs.values()],
+            prefix_keys=keys,
+            num_prefix_evictions=num_evictions,
+        )
+
+    def _restore_state(self, state: ManagerState) -> None:
+        """Take ``state`` into this new, empty manager whose pools' allocators are already restored.
+
+        The caller (a snapshot load) has validated ``state`` against the pools.
+        """
+        if self._sharing is not None:
+            self._sharing.cache._restore_state(state.prefix_keys, state.num_prefix_evictions)
+        self._max_abs_key = list(state.max_abs_key)
+        self._counters.update(state.counters)
+        bs = self.pool.block_size
+        for record_state in state.records:
+            record = SequenceRecord.from_state(record_state, bs, self.num_sink_tokens)
+            self._seqs[record.seq_id] = record
+
     # ---------------------------------------------------------------- private
 
     def _get(self, seq_id: Hashable) -> SequenceRecord:
         return self._seqs.record(seq_id)
 
+    def _prefix_sharing(self) -> PrefixSharing:
+        if self._sharing is None:
+            raise ConfigError("prefix caching is off for this manager")
+        return self._sharing
 
+    def _write_layer(self, layer: int, batch: Batch, keys: Any, values: Any) -> None:
+        """``write``'s body (the caller holds ``pool.lock``): k/v at the batch's slots, then settle.
+
+        Updates ``_max_abs_key[layer]``, each record's written count, and (with
+        prefix caching) keys the blocks now full in every layer. ``_scan_index``
+        is the value scan's scratch (``check_token_pair``'s ``index``), used
+        only under that lock.
+
+        NOTE: a decode batch (``Batch.for_token``) takes the first branch: the
+        same checks as the general path below (the batch is the very one
+        ``reserve`` returned for a running record, the layer is in range and
+        unwritten, k/v have the right type, dtype, shape and values), each made
+        once, in the order that finds the common case fastest; anything unusual
+        falls through to the general path, which raises what is wrong. The
+        token's row is copied by its slot. Each branch is tested against the
+        other (tests/test_speed_write.py).
+        """
+        pool = self.pool
+        records = self._seqs
+        sharing = self._sharing
+        max_abs_key = self._max_abs_key
+        token = batch._token if batch.__class__ is Batch else None
+        if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
+            seq_id, position, slot, _ = token
+            record = records.get(seq_id)
+            if (
+                record is not None
+                and record.batch is batch
+                and record.state is RUNNING
+                and record.num_written[layer] == position
+            ):
+                key_row, value_row, largest_key = check_token_pair(  # flat rows, as write_token takes them
+                    keys, values, pool.dtype, pool.token_shape, not self.trusted_inputs, self._scan_index,
+                    True,
+                )
+                # ---- validated ----
+                pool.write_token(layer, slot, key_row, value_row)
+                if largest_key > max_abs_key[layer]:
+                    max_abs_key[layer] = largest_key
+                end = record.num_written[layer] = position + 1
+                if sharing is not None and end // pool.block_size > len(record.block_keys):
+                    sharing.key_full_blocks(record)
+                return
+        if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
+            check_layer(layer, pool.num_layers)
+        seqs = batch_records(records, batch)
+        first_positions, counts = batch.first_positions, batch.num_new_tokens
+        for seq, start in zip(seqs, first_positions):
+            if seq.num_written[layer] != start:
+                raise SequenceStateError(
+                    f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
+                )
+        expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
+        key_array, value_array, largest_key = check_token_pair(
+            keys, values, pool.dtype, expected, not self.trusted_inputs, self._scan_index
+        )
+        # ---- validated ----
+        pieces = batch._slot_pieces()
+        piece = pieces[0]
+        if expected[0] == 1 and isinstance(piece, int):  # one token: copied by its slot
+            pool.write_token(layer, piece, key_array.ravel(), value_array.ravel())
+        elif len(pieces) == 1 and isinstance(piece, SlotRun) and not pool.quantized:  # a prefill: by blocks
+            pool.write_run(layer, piece.block_ids, piece.offset, key_array, value_array)
+        else:
+            pool.write(layer, batch.slot_mapping, key_array, value_array)
+        if largest_key > max_abs_key[layer]:
+            max_abs_key[layer] = largest_key
+        # Settle: the layer holds the batch's tokens; blocks full in every layer get keys.
+        for seq, start, num_new in zip(seqs, first_positions, counts):
+            end = seq.num_written[layer] = start + num_new
+            # A block can only get its key once some layer's count crosses its end.
+            if sharing is not None and end // pool.block_size > len(seq.block_keys):
+                sharing.key_full_blocks(seq)
+
+    def _attend_one_sequence(
+        self, layer: int, batch: Batch, queries: Any, method: str, scale: float, scan: bool
+    ) -> npt.NDArray[Any] | None:
+        """``attend``'s fast path: a batch of one sequence (every decode of one request), or None.
+
+        Returns the general path's result when every one of its checks passes
+        on the common case: ``batch`` is the very object ``reserve`` returned
+        for one running sequence, ``layer`` an int in range whose k/v are
+        written and ``method`` known. The queries are checked by the same
+        functions as the general path (``check_tokens``, then the score bound),
+        so they raise its errors. Anything else returns None (nothing changes)
+        and :meth:`_attend_layer` raises what is wrong. ``scan=False``
+        (``trusted_inputs``) skips the value scan and the score bound.
+
+        >>> import numpy as np
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(4, block_size=2, head_dim=1))
+        >>> manager.add_sequence("s")
+        0
+        >>> batch = manager.reserve({"s": 1})
+        >>> manager.write(0, batch, np.ones((1, 1, 1)), np.full((1, 1, 1), 7.0))
+        >>> manager._attend_one_sequence(0, batch, np.ones((1, 1, 1)), "loop", 1.0, True).tolist()
+        [[[7.0]]]
+        """
+        pool = self.pool
+        if (
+            batch.__class__ is not Batch
+            or layer.__class__ is not int
+            or not 0 <= layer < pool.num_layers
+            or (method != "loop" and method != "padded")
+        ):
+            return None
+        seq_ids = batch.seq_ids
+        if len(seq_ids) != 1:
+            return None
+        record = self._seqs.get(seq_ids[0])
+        if record is None or record.batch is not batch or record.state is not RUNNING:
+            return None
+        table = record.table
+        if record.num_written[layer] != table.num_tokens:
+            return None
+        dtype = pool.dtype
+        expected = (batch.num_new_tokens[0], self.num_q_heads, pool.head_dim)
+        query_array, largest = check_tokens("queries", queries, dtype, expected, scan)
+        if scan:
+            check_score_bound_from_max(scale, query_array, largest, self._max_abs_key[layer], dtype)
+        return attend_sequence(pool, layer, table, self.layer_max_sizes[layer], query_array, scale)
+
+    def _attend_layer(
+        self, layer: int, batch: Batch, queries: Any, method: str, scale: float
+    ) -> npt.NDArray[Any]:
+        """``attend``'s general path: every check in the order its errors are meant to be found.
+
+        Raises:
+            LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
+            NonFiniteError, ConfigError: bad arguments, or the layer is not written; nothing changes.
+        """
+        pool = self.pool
+        scan = not self.trusted_inputs
+        check_layer(layer, pool.num_layers)
+        if method not in ("loop", "padded"):
+            raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
+        seqs = batch_records(self._seqs, batch)
+        for seq in seqs:
+            if seq.num_written[layer] != seq.table.num_tokens:
+                raise SequenceStateError(
+                    f"sequence {seq.seq_id!r} has no k/v written in layer {layer} for this batch; "
+                    "call write() first"
+                )
+        expected = (batch.num_tokens, self.num_q_heads, pool.head_dim)
+        dtype = pool.dtype
+        query_array, largest_query = check_tokens("queries", queries, dtype, expected, scan)
+        if scan:
+            check_score_bound_from_max(scale, query_array, largest_query, self._max_abs_key[layer], dtype)
+        window = self.layer_max_sizes[layer]
+        if len(seqs) == 1:  # one sequence: its attention is the whole output (no offsets, no copy)
+            return attend_sequence(pool, layer, seqs[0].table, window, query_array, scale)
+        tables = [seq.table for seq in seqs]
+        return attend_batch(pool, layer, tables, batch.query_start, window, query_array, scale, method)
+
+
+def _release_manager(
+    pool: KVPool, host_pool: KVPool | None, records: SequenceRegistry, sharing: PrefixSharing | None
+) -> None:
+    """A dropped manager's finalizer: give every block back and close its prefix cache (never waits)."""
+    device: list[int] = []
+    host: list[int] = []
+    for record in records.values():
+        if record.state is SequenceState.RUNNING:
+            device.extend(record.table.clear())
+        elif record.state is SequenceState.SWAPPED:
+            host.extend(record.table.clear())
+    records.clear()
+
+    def give_back() -> None:
+        pool.allocator.free(device)
+        if sharing is not None:
+            sharing.cache.close()
+
+    run_or_defer(pool, give_back)
+    if host_pool is not None and host:
+        run_or_defer(host_pool, lambda: host_pool.allocator.free(host))

@@ -1,27 +1,32 @@
-"""Preemption: taking a running sequence's blocks away, and giving them back.
+"""Preemption: taking a running sequence's blocks away (recompute or swap), and giving them back.
 
-Two ways, as vLLM offers them::
+    recompute: RUNNING --preempt--> PREEMPTED (no blocks, tokens forgotten) --resume--> RUNNING,
+               empty or holding the still-cached blocks of its own history (prefix caching)
+    swap:      RUNNING --preempt--> SWAPPED (blocks copied to the host pool, a second KVPool
+               of the same shape) --resume--> RUNNING, every token back in new device blocks
 
-    recompute: RUNNING --preempt--> PREEMPTED (no blocks, tokens forgotten)
-               --resume--> RUNNING, empty, or holding the still-cached blocks of
-               its own history when prefix caching is on (the caller re-feeds the rest)
-    swap:      RUNNING --preempt--> SWAPPED (blocks copied to the host pool)
-               --resume--> RUNNING with every token back, in new device blocks
-
-The manager validates the sequence id and holds the pool's lock; these
-functions change one record and the pools.
+vLLM: the scheduler's ``_preempt_request`` and the v0 swapper. The manager validates
+the id and holds the pool's lock; these functions change one record and the pools.
 """
 
 from __future__ import annotations
 
-from pagedkv.errors import ConfigError, SequenceStateError
+from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError
 from pagedkv.manager.prefix_sharing import PrefixSharing
 from pagedkv.manager.sequence import SequenceRecord, SequenceState, check_settled
-from pagedkv.manager.swap import swap_in, swap_out
 from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.cache import token_bytes
 
-__all__ = ["PREEMPT_MODES", "host_pool_of", "preempt_record", "release_record", "resume_record"]
+__all__ = [
+    "PREEMPT_MODES",
+    "check_host_pool",
+    "host_pool_of",
+    "preempt_record",
+    "release_record",
+    "resume_record",
+    "swap_in",
+    "swap_out",
+]
 
 #: The ways ``preempt`` can take a sequence's blocks away.
 PREEMPT_MODES = ("recompute", "swap")
@@ -108,3 +113,62 @@ def resume_record(
     num_reused = sharing.share_cached_prefix(record, history, token_bytes(history))
     counters["resumed_reuse"] += num_reused
     return num_reused
+
+# ------------------------------------------------------------------ swapping
+#
+# Swapping out copies every held block to fresh host blocks and gives the device
+# blocks back; swapping in does the reverse. Block ids change, contents do not, so
+# every later output is the same as if the sequence had never moved::
+#
+#     device  [4, 9, 2]  --swap_out-->  host [0, 1, 2]  --swap_in-->  device [7, 3, 5]
+
+
+def check_host_pool(pool: KVPool, host_pool: object) -> KVPool:
+    """Validate that ``host_pool`` is a pool shaped like ``pool``; return it.
+
+    Raises:
+        InputTypeError: not a KVPool.
+        ConfigError: a size, the layer count or a dtype differs.
+    """
+    if not isinstance(host_pool, KVPool):
+        raise InputTypeError(f"host_pool must be a KVPool, got {type(host_pool).__name__}")
+    fields = ("block_size", "num_kv_heads", "head_dim", "num_layers", "dtype", "key_dtype", "value_dtype")
+    for name in fields:
+        if getattr(pool, name) != getattr(host_pool, name):
+            raise ConfigError(
+                f"host_pool.{name}={getattr(host_pool, name)} but the pool's is {getattr(pool, name)}"
+            )
+    return host_pool
+
+
+def swap_out(record: SequenceRecord, device: KVPool, host: KVPool) -> None:
+    """Move a running record's blocks to ``host``; it becomes SWAPPED.
+
+    Raises:
+        PoolExhaustedError: the host pool has too few free blocks; nothing changes.
+    """
+    _move(record, device, host, SequenceState.SWAPPED)
+
+
+def swap_in(record: SequenceRecord, device: KVPool, host: KVPool) -> None:
+    """Move a swapped record's blocks back to ``device``; it becomes RUNNING.
+
+    Raises:
+        PoolExhaustedError: the device pool has too few free blocks; nothing changes.
+    """
+    _move(record, host, device, SequenceState.RUNNING)
+
+
+def _move(record: SequenceRecord, source: KVPool, target: KVPool, state: SequenceState) -> None:
+    source_ids = record.table.block_ids
+    target_ids = target.allocator.allocate(len(source_ids))  # all or nothing: may raise, nothing changed
+    _copy_between(source, source_ids, target, target_ids)
+    source.allocator.free(record.table.replace_all(target_ids))
+    record.state = state
+
+
+def _copy_between(source: KVPool, source_ids: list[int], target: KVPool, target_ids: list[int]) -> None:
+    for layer in range(source.num_layers):
+        target.keys(layer)[:, target_ids] = source.keys(layer)[:, source_ids]
+        target.values(layer)[:, target_ids] = source.values(layer)[:, source_ids]
+    source.copy_block_scales(source_ids, target_ids, target)

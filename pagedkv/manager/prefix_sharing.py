@@ -1,10 +1,8 @@
-"""The manager's prefix-caching glue: keying a sequence's full blocks, and sharing them at admission.
+"""Admission and prefix sharing: starting a sequence from its prompt's cached blocks, keying full ones.
 
-:mod:`pagedkv.prefix.cache` maps keys to blocks and knows nothing of
-sequences; the manager owns the sequences and knows nothing of keys. This
-module joins them: it computes a sequence's block keys from its token ids,
-registers each full block once every layer has written it, and turns a
-prompt's longest cached prefix into a block table of shared blocks.
+:mod:`pagedkv.prefix.cache` maps keys to blocks and knows nothing of sequences;
+this module joins it to the manager's records (vLLM: ``get_computed_blocks`` and
+``cache_full_blocks``; :func:`plan_admission` is ``get_num_blocks_to_allocate``)::
 
     prompt  [t0 .. t15 | t16 .. t31 | t32 t33]     block_size 16
     keys     k0         k1 = H(k0, t16..t31)        (the partial block has no key)
@@ -14,7 +12,8 @@ prompt's longest cached prefix into a block table of shared blocks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.table import BlockTable
@@ -27,13 +26,15 @@ from pagedkv.prefix.cache import (
     ROOT_KEY,
     PrefixCache,
     block_keys,
+    check_token_ids,
     hash_function,
+    pack_token_ids,
 )
 from pagedkv.prefix.events import KVEventBuffer
-from pagedkv.prefix.keys import decode_extra_keys
+from pagedkv.prefix.keys import ExtraKeys, decode_extra_keys, encode_extra_keys
 from pagedkv.prefix.stats import HitWindow
 
-__all__ = ["PrefixSharing"]
+__all__ = ["AdmissionPlan", "PrefixSharing", "plan_admission"]
 
 
 class PrefixSharing:
@@ -186,6 +187,15 @@ class PrefixSharing:
                 held = [*found[:num_sinks], *found[first:num_hit]]
                 return num_hit, window_start, held  # type: ignore[return-value]  # all cached: ints
         return 0, sinks, []
+
+    def admit(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
+        """Share the cached prefix of new ``record``'s prompt (``add_sequence``); return its cached tokens.
+
+        The same as :meth:`share_cached_prefix`, and the request counts in ``stats``.
+        """
+        num_hit = self.share_cached_prefix(record, token_ids, tokens)
+        self.stats.record(len(token_ids), num_hit)
+        return num_hit
 
     def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
         """Share the cached blocks a prompt of ``token_ids`` starts from into ``record``; return its tokens.
@@ -343,3 +353,69 @@ class PrefixSharing:
     def _adapter(record: SequenceRecord) -> str | int | None:
         adapter = decode_extra_keys(record.extras).get("adapter") if record.extras else None
         return adapter if isinstance(adapter, (str, int)) else None
+
+
+# ------------------------------------------------------------------ looking before admitting
+
+
+class AdmissionPlan(NamedTuple):
+    """What admitting a prompt would take, found without taking it (``KVCacheManager.lookup``).
+
+    Attributes:
+        num_cached_tokens: leading prompt tokens the prefix cache holds
+            (what ``add_sequence`` would return).
+        num_shared_blocks: cached blocks the new sequence would hold.
+        revived_block_ids: those of them that wait in the cached free queue
+            now: admitting takes them out of the free blocks.
+        num_new_blocks: blocks one ``reserve`` of the rest of the prompt takes.
+        num_free_blocks: the pool's free blocks now (plain and cached).
+        fits: whether ``len(revived_block_ids) + num_new_blocks <= num_free_blocks``.
+    """
+
+    num_cached_tokens: int
+    num_shared_blocks: int
+    revived_block_ids: tuple[int, ...]
+    num_new_blocks: int
+    num_free_blocks: int
+    fits: bool
+
+    @property
+    def num_blocks_taken(self) -> int:
+        """Blocks leaving the free queues: the revived ones and the new ones."""
+        return len(self.revived_block_ids) + self.num_new_blocks
+
+
+def plan_admission(
+    sharing: PrefixSharing | None,
+    allocator: BlockAllocator,
+    prompt: Sequence[int],
+    extra_keys: ExtraKeys | None,
+    block_size: int,
+) -> AdmissionPlan:
+    """``KVCacheManager.lookup``: the admission of ``prompt`` as ``add_sequence`` would do it; change nothing.
+
+    Raises:
+        InputTypeError, ConfigError: a bad token id or extra key.
+    """
+    extras = encode_extra_keys(extra_keys)
+    what = "prompt must be a sequence of token ids"
+    held: list[int] = []
+    num_hit = 0
+    if sharing is None:
+        check_token_ids(prompt, what)
+    else:
+        token_ids, tokens = pack_token_ids(prompt, what)
+        num_usable = max(0, (len(token_ids) - 1) // block_size)
+        keys = sharing.prompt_keys([], tokens, num_usable, extras)
+        num_hit, _, held = sharing.find_hit(keys)
+    revived = tuple(block_id for block_id in held if allocator.ref_count(block_id) == 0)
+    num_new = ceil_div(len(prompt), block_size) - num_hit
+    num_free = allocator.num_free_blocks
+    return AdmissionPlan(
+        num_cached_tokens=num_hit * block_size,
+        num_shared_blocks=len(held),
+        revived_block_ids=revived,
+        num_new_blocks=num_new,
+        num_free_blocks=num_free,
+        fits=len(revived) + num_new <= num_free,
+    )

@@ -1,51 +1,67 @@
-"""Planning a reservation: what ``reserve`` would free, copy and take, computed without doing it.
+"""Reserving slots for new tokens: the plan, its commit, and the :class:`Batch` it issues.
 
-:func:`plan_reservation` is pure: it reads the sequences' tables and the
-allocator's ref counts and returns a typed :class:`ReservationPlan`; the
-manager validates first, plans, and only then commits the plan. One planning
-function (:func:`plan_steps`) serves ``plan()``, ``can_reserve()`` and
-``reserve()``, so what the query predicts is exactly what the command does.
-
-Per sequence, in order::
-
-    1. evict: blocks wholly before the new window start go back (with a window);
-    2. copy-on-write: a shared or keyed, partly filled last block is copied first;
-    3. append: new blocks for the tokens past the last block's free slots.
-
-NOTE: an engine calls ``reserve`` every step for every sequence, so the
-parsed requests are parallel lists and each sequence's step a plain tuple:
-one ``reserve`` of one decode token builds no object per sequence but its
-``Batch`` (see benchmarks/bench_requests.py).
+Planning is pure (:func:`plan_steps` serves ``plan``, ``can_reserve`` and
+``reserve`` alike, so a query predicts exactly what the command does); the
+commit changes tables and the allocator only once the plan fits. Per sequence:
+evict blocks wholly before the new window start, copy a shared or keyed partly
+filled last block (copy-on-write), append new blocks. vLLM: the
+``allocate_slots`` half of ``vllm/v1/core/kv_cache_manager.py``; the
+:class:`Batch` is its slot mapping and ``query_start_loc``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple, NoReturn, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.table import BlockTable
 from pagedkv.counts import check_count
-from pagedkv.errors import ConfigError, DuplicateSequenceError, InputTypeError
-from pagedkv.manager.sequence import SequenceRecord, SequenceRegistry, SequenceState, check_settled
+from pagedkv.errors import (
+    ConfigError,
+    DuplicateSequenceError,
+    InputTypeError,
+    PoolExhaustedError,
+    ReadOnlyArrayError,
+    SequenceStateError,
+)
+from pagedkv.manager.sequence import (
+    RUNNING,
+    SequenceRecord,
+    SequenceRegistry,
+    SequenceState,
+    check_settled,
+)
 from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.cache import pack_token_ids
 
 __all__ = [
+    "Batch",
     "ParsedRequests",
     "Requests",
     "ReservationPlan",
     "SequenceStep",
+    "SlotPiece",
+    "SlotRun",
     "Step",
+    "TokenSlot",
+    "batch_records",
+    "commit_reservation",
+    "commit_step",
     "one_token_id",
     "parse_requests",
     "plan_requests",
     "plan_reservation",
     "plan_step",
     "plan_steps",
+    "reserve_one",
+    "reserve_requests",
     "resolve_requests",
 ]
 
@@ -313,3 +329,495 @@ def plan_requests(
     parsed = parse_requests(requests)
     chosen = resolve_requests(records, parsed, keyed=keyed, num_layers=pool.num_layers)
     return plan_reservation([record.table for record in chosen], parsed.counts, pool.allocator, window)
+
+
+# ------------------------------------------------------------------ the batch
+
+
+class SlotRun(NamedTuple):
+    """The slots of ``num_tokens`` new tokens from ``offset`` in the first of ``block_ids``.
+
+    ``block_ids`` are consecutive logical blocks of one table, so this is
+    ``BlockTable.slot``'s rule (``block_id * block_size + offset``) for a run
+    of new tokens, kept as the ids until someone reads the batch's
+    ``slot_mapping``: a prefill's reservation builds no per-token ints.
+
+    >>> SlotRun([7, 2], 3, 3, 4).slots().tolist()
+    [31, 8, 9]
+    """
+
+    block_ids: list[int]
+    offset: int
+    num_tokens: int
+    block_size: int
+
+    def slots(self) -> npt.NDArray[np.int64]:
+        """The slots, as a new int64 array ``(num_tokens,)``."""
+        ids = np.array(self.block_ids, np.int64)  # (num_blocks,)
+        grid = ids[:, None] * self.block_size + np.arange(self.block_size)  # (num_blocks, block_size)
+        return grid.ravel()[self.offset : self.offset + self.num_tokens]
+
+
+#: One sequence's slots as ``reserve`` keeps them: an int for one token, a :class:`SlotRun` for more.
+SlotPiece = Union[int, SlotRun]  # noqa: UP007 (a runtime alias: py3.10 has no `int | NamedTuple`)
+
+#: Where the one new token of a decode batch goes, computed once by ``reserve``:
+#: ``(seq_id, position, slot, reservation_id)``. A plain tuple: one is built every decode step.
+TokenSlot = tuple[Hashable, int, int, int]
+
+_ONE = (1,)  # num_new_tokens of every decode batch
+
+
+class _ReservedArray(np.ndarray):
+    """A :class:`Batch` array: read-only, and an edit in place raises :class:`ReadOnlyArrayError`.
+
+    numpy itself refuses the edit with a bare ``ValueError``; this subclass
+    only names what was refused. Arithmetic on it gives plain arrays.
+    """
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if not self.flags.writeable:
+            _refuse_edit(f"[{index!r}] = {value!r}")
+        super().__setitem__(index, value)
+
+    def fill(self, value: Any) -> None:
+        if not self.flags.writeable:
+            _refuse_edit(f".fill({value!r})")
+        super().fill(value)
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out")
+        if out is not None:
+            if any(isinstance(target, _ReservedArray) and not target.flags.writeable for target in out):
+                _refuse_edit(f"an in-place {ufunc.__name__}")
+            kwargs["out"] = tuple(_plain(target) for target in out)
+        return getattr(ufunc, method)(*(_plain(value) for value in inputs), **kwargs)
+
+
+def _plain(value: Any) -> Any:
+    return value.view(np.ndarray) if isinstance(value, _ReservedArray) else value
+
+
+def _refuse_edit(edit: str) -> NoReturn:
+    raise ReadOnlyArrayError(
+        f"a Batch's arrays are read-only (they are the slots reserve() handed out), got {edit}; "
+        "reserve again for other slots, or compute on a copy: np.array(batch.slot_mapping)"
+    )
+
+
+def _read_only(value: Any) -> npt.NDArray[np.int64]:
+    """A read-only view (a ``_ReservedArray``) of a read-only array of ``value``.
+
+    NOTE: neither the view's nor its base's flags can be turned writable
+    again, so the slots the manager handed out cannot be edited in place
+    (they would aim another sequence's keys and values).
+    """
+    array = np.asarray(value)
+    if array.flags.writeable:
+        array.flags.writeable = False
+    view: npt.NDArray[np.int64] = array.view(_ReservedArray)
+    view.flags.writeable = False
+    return view
+
+
+def _slot_array(pieces: Sequence[SlotPiece]) -> npt.NDArray[np.int64]:
+    if all(piece.__class__ is not SlotRun for piece in pieces):
+        return np.array(pieces, np.int64)
+    return np.concatenate(
+        [piece.slots() if isinstance(piece, SlotRun) else np.array([piece], np.int64) for piece in pieces]
+    )
+
+
+class Batch:
+    """Slots reserved for new tokens of several sequences; valid until they are written.
+
+    Tokens of all sequences are flattened in batch order, as in vLLM::
+
+        seq "a" gets 3 new tokens, seq "b" gets 1
+        token index      0    1    2  | 3
+        query_start      0            3     4      (cumulative, length num_seqs + 1)
+        slot_mapping    [20, 21, 22,    9]         slot = block_id * block_size + offset
+
+    Attributes:
+        seq_ids: the sequences, in the order their tokens are laid out.
+        num_new_tokens: new tokens per sequence.
+        first_positions: logical index of each sequence's first new token.
+        query_start: ``(num_seqs + 1,)`` offsets of each sequence's tokens in
+            the flattened token dimension.
+        slot_mapping: ``(num_tokens,)`` int64 slot of every new token, vLLM's slot mapping.
+        reservation_ids: the manager's stamp per sequence; a batch whose stamp
+            no longer matches (the sequence was freed, preempted or reserved
+            again) is refused, and so is any batch but the very object
+            ``reserve`` returned (a copy, or one built by hand).
+
+    The arrays are read-only (an edit in place raises
+    :class:`~pagedkv.errors.ReadOnlyArrayError`, also a ``ValueError``).
+    NOTE: ``reserve`` keeps its Python values (slot pieces, counts) and makes
+    each array the first time it is read, cached in its slot: a decode whose
+    ``write`` copies by its :data:`TokenSlot` builds no array at all.
+    """
+
+    __slots__ = (
+        "_query_start",
+        "_slot_mapping",
+        "_slots",
+        "_token",
+        "first_positions",
+        "num_new_tokens",
+        "reservation_ids",
+        "seq_ids",
+    )
+
+    seq_ids: tuple[Hashable, ...]
+    num_new_tokens: tuple[int, ...]
+    first_positions: tuple[int, ...]
+    reservation_ids: tuple[int, ...]
+    _token: TokenSlot | None  # a decode batch's token; None for every other batch
+    _slots: list[SlotPiece]  # one piece per sequence (a decode batch has none: see _slot_pieces)
+    _query_start: npt.NDArray[np.int64]  # made when first read
+    _slot_mapping: npt.NDArray[np.int64]  # made when first read
+
+    def __init__(
+        self,
+        seq_ids: tuple[Hashable, ...],
+        num_new_tokens: tuple[int, ...],
+        first_positions: tuple[int, ...],
+        query_start: Any,
+        slot_mapping: Any,
+        reservation_ids: tuple[int, ...],
+    ) -> None:
+        """A batch built by hand (write and attend refuse it: only ``reserve``'s own batch is taken)."""
+        self.seq_ids = seq_ids
+        self.num_new_tokens = num_new_tokens
+        self.first_positions = first_positions
+        self._query_start = _read_only(query_start)
+        self._slot_mapping = _read_only(slot_mapping)
+        self.reservation_ids = reservation_ids
+        self._token = None
+        self._slots = []
+
+    @classmethod
+    def _issue(
+        cls,
+        seq_ids: tuple[Hashable, ...],
+        num_new_tokens: tuple[int, ...],
+        first_positions: tuple[int, ...],
+        slots: list[SlotPiece],
+        reservation_ids: tuple[int, ...],
+    ) -> Batch:
+        """The batch ``reserve`` returns: its fields as given, arrays made when read.
+
+        ``slots`` holds one piece per sequence, in batch order.
+        """
+        batch = object.__new__(cls)
+        batch.seq_ids = seq_ids
+        batch.num_new_tokens = num_new_tokens
+        batch.first_positions = first_positions
+        batch.reservation_ids = reservation_ids
+        batch._token = None
+        batch._slots = slots
+        return batch
+
+    @classmethod
+    def for_token(cls, seq_id: Hashable, position: int, slot: int, reservation_id: int) -> Batch:
+        """The batch of one new token of one sequence (a decode), as ``reserve`` issues it.
+
+        >>> batch = Batch.for_token("a", 5, 29, 3)
+        >>> batch.seq_ids, batch.first_positions, batch.slot_mapping.tolist(), batch.query_start.tolist()
+        (('a',), (5,), [29], [0, 1])
+        """
+        batch = object.__new__(cls)
+        batch._token = (seq_id, position, slot, reservation_id)
+        batch.seq_ids = (seq_id,)
+        batch.num_new_tokens = _ONE
+        batch.first_positions = (position,)
+        batch.reservation_ids = (reservation_id,)
+        return batch
+
+    @property
+    def query_start(self) -> npt.NDArray[np.int64]:
+        """``(num_seqs + 1,)`` offsets of each sequence's tokens (read-only)."""
+        try:
+            return self._query_start
+        except AttributeError:  # an issued batch: made now, once
+            self._query_start = _read_only(np.array([0, *accumulate(self.num_new_tokens)], np.int64))
+            return self._query_start
+
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """``(num_tokens,)`` int64 slot of every new token (read-only)."""
+        try:
+            return self._slot_mapping
+        except AttributeError:  # an issued batch: made now, once
+            self._slot_mapping = _read_only(_slot_array(self._slot_pieces()))
+            return self._slot_mapping
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens across the whole batch (the flattened token dimension)."""
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.seq_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(seq_ids={self.seq_ids!r}, num_new_tokens={self.num_new_tokens!r}, "
+            f"first_positions={self.first_positions!r}, query_start={self.query_start!r}, "
+            f"slot_mapping={self.slot_mapping!r})"
+        )
+
+    def _slot_pieces(self) -> list[SlotPiece]:
+        """The slot pieces ``reserve`` kept, one a sequence (a decode batch's is its token's slot)."""
+        token = self._token
+        return [token[2]] if token is not None else self._slots
+
+
+def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
+    """The records of ``batch``'s sequences, each still holding the reservation the batch stamps.
+
+    One identity test per sequence on the common path: a record's ``batch``
+    is the very object ``reserve`` returned for its newest reservation, and
+    ``free``, ``preempt`` and ``cancel_reservation`` clear it. Anything else
+    takes the full check, which says what is wrong.
+
+    Raises:
+        InputTypeError: ``batch`` is not a Batch.
+        SequenceStateError: a sequence was freed, preempted or reserved again
+            since, or ``batch`` is not the object ``reserve`` returned.
+    """
+    found = []
+    get = records.get
+    for seq_id in batch.seq_ids if batch.__class__ is Batch else ():
+        record = get(seq_id)
+        if record is None or record.batch is not batch or record.state is not RUNNING:
+            return _diagnose(records, batch)
+        found.append(record)
+    if not found:
+        return _diagnose(records, batch)
+    return found
+
+
+def _diagnose(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
+    """The full check of :func:`batch_records`, in the order its errors are meant to be found."""
+    if not isinstance(batch, Batch):
+        raise InputTypeError(f"batch must be a Batch from reserve(), got {type(batch).__name__}")
+    found = []
+    for seq_id, stamp in zip(batch.seq_ids, batch.reservation_ids):
+        record = records.get(seq_id)
+        if record is None or record.reservation_id != stamp or record.state is not RUNNING:
+            raise SequenceStateError(
+                f"this batch's slots for sequence {seq_id!r} are no longer reserved (it was "
+                "freed, preempted or reserved again); reserve again (cancel_reservation() "
+                "takes back the other sequences' unwritten tokens)"
+            )
+        if record.batch is not batch:
+            raise SequenceStateError(
+                f"this batch is not the one reserve() returned for sequence {seq_id!r} (a copy or a "
+                "batch built by hand); write and attend take only the manager's own batch"
+            )
+        found.append(record)
+    if not found:
+        raise SequenceStateError("this batch holds no sequence; write and attend take only reserve()'s batch")
+    return found
+
+
+# ------------------------------------------------------------------ the commit
+
+# NOTE: one counter for every manager, so a Batch from another manager never
+# matches a stamp here (per-manager counters both start at 1).
+_RESERVATION_IDS = itertools.count(1)
+
+
+def reserve_requests(
+    records: SequenceRegistry,
+    requests: Requests,
+    pool: KVPool,
+    window: int | None,
+    keyed: bool,
+    counters: dict[str, int],
+) -> Batch:
+    """``KVCacheManager.reserve`` on its general path: parse, resolve, plan, and commit if it fits.
+
+    Raises:
+        what ``KVCacheManager.reserve`` documents; nothing changes.
+    """
+    parsed = parse_requests(requests)
+    chosen = resolve_requests(records, parsed, keyed=keyed, num_layers=pool.num_layers)
+    allocator = pool.allocator
+    tables = [record.table for record in chosen]
+    num_new, num_cow, num_released, steps = plan_steps(tables, parsed.counts, allocator, window)
+    num_available = allocator.num_free_blocks + num_released
+    if num_new > num_available:
+        raise PoolExhaustedError(
+            num_new,
+            num_available,
+            pool.num_blocks,
+            "free or preempt a sequence, reserve fewer tokens, or give the pool more blocks",
+        )
+    # ---- validated: nothing below can fail ----
+    batch = commit_reservation(chosen, parsed, steps, pool, window is not None)
+    if num_cow:
+        counters["copy_on_write"] += num_cow
+    return batch
+
+
+def commit_reservation(
+    records: Sequence[SequenceRecord],
+    requests: ParsedRequests,
+    steps: Sequence[Step],
+    pool: KVPool,
+    windowed: bool,
+) -> Batch:
+    """Carry out a plan that fits: evict, copy on write, append; stamp each record; return the batch.
+
+    Nothing here can fail: the plan was made from these records and the
+    pool's current state, and it fits.
+    """
+    allocator = pool.allocator
+    if windowed:
+        # Every eviction first: the plan counts a later sequence's released
+        # blocks as available to an earlier sequence's new blocks.
+        for record, step in zip(records, steps):
+            if step[0] > record.table.window_start:
+                released = record.table.evict_to(step[0])
+                if released:
+                    allocator.free(released)
+    pieces: list[SlotPiece] = []
+    first_positions = []
+    stamp = next(_RESERVATION_IDS)
+    for record, token_ids, packed, count, step in zip(
+        records, requests.token_ids, requests.packed, requests.counts, steps
+    ):
+        start, piece = commit_step(record, count, token_ids, packed, step, pool)
+        first_positions.append(start)
+        pieces.append(piece)
+        record.reservation_id = stamp
+    batch = Batch._issue(
+        tuple(requests.seq_ids), tuple(requests.counts), tuple(first_positions), pieces,
+        (stamp,) * len(records),
+    )
+    for record in records:
+        record.batch = batch
+    return batch
+
+
+def commit_step(
+    record: SequenceRecord,
+    count: int,
+    token_ids: list[int] | None,
+    packed: bytes | None,
+    step: Step,
+    pool: KVPool,
+) -> tuple[int, SlotPiece]:
+    """One sequence's part of a commit after its eviction: ids, copy-on-write, append.
+
+    Returns:
+        ``(start, piece)``: its first new token's logical index, and the new
+        tokens' slots (an int for one token, else a :class:`SlotRun`).
+    """
+    record.note_reserved(token_ids, packed)
+    allocator = pool.allocator
+    table = record.table
+    if step[1]:
+        copy = allocator.allocate_one()
+        pool.copy_blocks([table.last_block_id], [copy])
+        allocator.free_one(table.replace_last(copy))
+    start = table.num_tokens
+    num_blocks = step[2]
+    if count == 1:
+        table.append(1, [allocator.allocate_one()] if num_blocks else [])
+        return start, table.slot(start)
+    new_ids = allocator.allocate(num_blocks) if num_blocks else []
+    offset = start % table.block_size
+    covering = [table.last_block_id, *new_ids] if offset else new_ids  # the blocks from ``start`` on
+    table.append(count, new_ids)
+    return start, SlotRun(covering, offset, count, table.block_size)
+
+
+def reserve_one(
+    records: SequenceRegistry,
+    seq_id: Any,
+    value: Any,
+    pool: KVPool,
+    window: int | None,
+    keyed: bool,
+) -> Batch | None:
+    """``reserve`` of one sequence on its common path, or None where that path does not apply.
+
+    The common path: a count or one plain int id, a known, running, settled
+    sequence, no window, no copy-on-write, and room in the pool. It checks
+    what ``parse_requests`` and ``resolve_requests`` would; anything else
+    (every error included) is left to the general path, which raises.
+    Nothing changes before the plan is known to fit.
+
+    NOTE: the decode token (one token, no window) is planned and committed
+    here by hand: its plan is "a new block iff the last one is full; a
+    shared or keyed, partly filled last block means copy-on-write, which the general
+    path does". An engine makes this call for every sequence every step, and
+    two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
+    of it. tests/test_manager_speed_paths.py feeds the same calls to this
+    path and the general one and compares every state, batch and error, and
+    runs the state machines with this path off. Its batch carries the
+    token's slot (``Batch.for_token``), so each layer's
+    ``write`` copies the row without reading any array.
+    """
+    if window is not None:
+        return None
+    if value.__class__ is int:
+        if value < 1:
+            return None
+        count, token_ids = value, None
+    elif one_token_id(value):
+        count, token_ids = 1, value  # only read (note_reserved copies the id)
+    else:
+        return None
+    try:
+        record = records[seq_id]
+    except (KeyError, TypeError):
+        return None
+    table = record.table
+    num_tokens = table.num_tokens
+    num_written = record.num_written
+    if record.state is not RUNNING or num_written[-1] != num_tokens or (
+        len(num_written) > 1 and min(num_written) != num_tokens
+    ):
+        return None
+    if keyed and token_ids is None and record.token_ids is not None:
+        return None
+    allocator = pool.allocator
+    if count > 1:
+        step, _ = plan_step(table, count, allocator, None, {})
+        if step[1] or step[2] > allocator.num_free_blocks:
+            return None
+        # ---- validated: nothing below can fail ----
+        start, piece = commit_step(record, count, None, None, step, pool)
+        record.reservation_id = stamp = next(_RESERVATION_IDS)
+        record.batch = batch = Batch._issue((seq_id,), (count,), (start,), [piece], (stamp,))
+        return batch
+    # The token lands in the last block when it has room, else in a new one.
+    bs = table.block_size
+    offset = num_tokens % bs
+    if offset:
+        block_id = table.last_block_id
+        if allocator.must_copy_before_append(block_id):
+            return None  # a shared or keyed, partly filled last block: copy-on-write
+        new_id = None
+    else:
+        try:
+            block_id = new_id = allocator.allocate_one()  # raises with nothing changed
+        except PoolExhaustedError:
+            return None  # the general path raises it with the pool's numbers
+    # ---- validated (and any new block taken): nothing below can fail ----
+    own = record.token_ids
+    if own is not None:  # keying is on for it (off: nothing to note)
+        if token_ids is None or record.prompt_keys:
+            record.note_reserved(token_ids, None)
+        else:
+            own.append(token_ids[0])  # note_reserved's common case: no prompt keys left to compare
+    table.append_token(new_id)
+    record.reservation_id = stamp = next(_RESERVATION_IDS)
+    record.batch = batch = Batch.for_token(seq_id, num_tokens, block_id * bs + offset, stamp)
+    return batch

@@ -298,7 +298,7 @@ class PageStore:
         """Store ``keys``/``values`` ``(n, H, d)`` from ``offset`` in the first of ``block_ids`` on.
 
         ``block_ids`` are consecutive logical blocks of one table and hold
-        exactly the ``n`` tokens (a :class:`~pagedkv.manager.batch.SlotRun`): a
+        exactly the ``n`` tokens (a :class:`~pagedkv.manager.reserve.SlotRun`): a
         prefill's write. Whole blocks are copied as blocks (one slice when
         their ids are one run, else one fancy index over blocks), which is
         several times cheaper than building and scattering ``n`` slots.

@@ -32,8 +32,8 @@ from pagedkv.integrations.hf.read_cache import LayerBuffer, read_rows
 from pagedkv.integrations.hf.rows import RowSequences
 from pagedkv.integrations.hf.spec import ModelSpec, read_spec
 from pagedkv.integrations.hf.tensors import Tensor, check_states, from_tokens, padding_layout, to_tokens
-from pagedkv.manager.batch import Batch
 from pagedkv.manager.manager import KVCacheManager
+from pagedkv.manager.reserve import Batch
 from pagedkv.memory.pool import KVPool
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "take_pending"]
