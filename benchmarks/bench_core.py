@@ -59,7 +59,7 @@ from common import (
 )
 from threadpoolctl import threadpool_limits
 
-import pagedkv.paged_attention as attention_module
+import pagedkv.attention as attention_module
 from pagedkv import KVCache, KVPool
 from pagedkv.attention import attend_dense
 from pagedkv.reference import attend_window

@@ -40,9 +40,11 @@ import numpy as np
 from common import format_us, header, table
 from threadpoolctl import threadpool_limits
 
+import pagedkv.attention as attention
 import pagedkv.memory.quantization as quantization
 from pagedkv import KVCacheManager, KVPool, snapshot
-from pagedkv.memory.quantization import QuantizedTokens, Tokens, attend_chunked, storage_format
+from pagedkv.attention import attend_chunked
+from pagedkv.memory.quantization import QuantizedTokens, Tokens, storage_format
 
 NUM_HEADS = 8
 HEAD_DIM = 128
@@ -221,7 +223,7 @@ def main(argv: list[str]) -> None:
     print(header(
         "Quantized pages and snapshots",
         [f"parameters: num_kv_heads = num_q_heads = {NUM_HEADS}, head_dim {HEAD_DIM}, block_size "
-         f"{BLOCK_SIZE}, float32 compute, scale 1/sqrt(head_dim), CHUNK_TOKENS {quantization.CHUNK_TOKENS}, "
+         f"{BLOCK_SIZE}, float32 compute, scale 1/sqrt(head_dim), CHUNK_TOKENS {attention.CHUNK_TOKENS}, "
          f"GROUP_SIZE {quantization.GROUP_SIZE}"],
     ))
     with threadpool_limits(1):

@@ -6,7 +6,7 @@ written before each call), BLAS pinned to one thread, medians. Rows:
 
 * best contiguous: the faster of ``attend_dense`` and the einsum candidate on
   one contiguous head-major ``(H, n, d)`` array per sequence (no paging);
-* views / gather: ``paged_attention.attend_sequence`` (what ``KVCache.attend``
+* views / gather: ``attention.attend_sequence`` (what ``KVCache.attend``
   and the manager's loop run) on a shared pool whose tables interleave, so
   no table is one run: ``KVPool(view_mode="views")`` or ``"gather"``.
 
@@ -45,10 +45,9 @@ from common import Flusher, cpu_model, footer, header, table
 from threadpoolctl import threadpool_limits
 
 from pagedkv import KVCache, KVPool
-from pagedkv.attention import attend_dense
+from pagedkv.attention import attend_dense, attend_sequence
 from pagedkv.blocks.table import BlockTable
 from pagedkv.memory.vmem import map_budget
-from pagedkv.paged_attention import attend_sequence
 
 Array = npt.NDArray[np.float32]
 H, D, BS = 8, 128, 16

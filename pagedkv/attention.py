@@ -1,23 +1,40 @@
-"""The attention kernel: one query token against dense keys and values.
+"""Attention: the kernels, and the walk over block tables that feeds them.
 
-Every attend path in pagedkv (the paged cache, the manager, the no-cache
-recompute in :mod:`pagedkv.reference`) ends in :func:`attend_dense`, so the
-paged result and the from-scratch result are the same arithmetic on the same
-numbers: equal bit for bit.
+The float kernels (:func:`attend_dense`, masked and padded forms), the chunked kernels that
+read quantized pages as stored (:func:`attend_chunked`), and the paged walk: which tokens a
+query sees (:func:`visible_ranges`) and reading them from a pool (:func:`attend_sequence`,
+:func:`attend_batch`). Every path, the no-cache recompute in :mod:`pagedkv.reference` included,
+ends in the same kernel on the same numbers and strides, so paged and from-scratch results are
+equal bit for bit. vLLM: ``PagedAttention`` (``vllm/attention``); SGLang: ``RadixAttention``
+with its ``attention_backend``. Design and measurements: docs/design.md, docs/paging.md.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.blocks.read_plan import ReadPlan
+from pagedkv.blocks.table import BlockTable
+from pagedkv.memory.pool import KVPool
+from pagedkv.memory.quantization import QuantizedTokens, Tokens
+
 __all__ = [
+    "CHUNK_TOKENS",
     "EINSUM_MIN_BYTES",
     "KEYS_FIRST_MIN_TOKENS",
+    "attend_batch",
+    "attend_chunked",
+    "attend_chunked_masked",
+    "attend_decode_padded",
     "attend_dense",
     "attend_dense_masked",
     "attend_padded",
+    "attend_sequence",
     "softmax_rows",
+    "visible_ranges",
 ]
 
 #: Keys of at least this many bytes are attended with ``np.einsum`` instead of BLAS.
@@ -224,3 +241,294 @@ def attend_padded(
     out = np.matmul(scores, values)  # (num_kv_heads, num_seqs, group, head_dim)
     result: npt.NDArray[np.floating] = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_q_heads, head_dim)
     return result
+
+
+# ---------------------------------------------- quantized pages: dequantized chunk by chunk
+# The cache is never dequantized: the window is, CHUNK_TOKENS tokens at a time counted from its
+# first token, so chunk boundaries depend only on logical positions and the paged cache and the
+# no-cache recompute run the same arithmetic on the same codes (docs/quantization.md).
+
+
+#: Tokens dequantized at a time by the chunked kernels (see benchmarks/bench_quant_snapshot.py).
+CHUNK_TOKENS = 1024
+
+
+def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+    if isinstance(tokens, QuantizedTokens):
+        return tokens.dequantize(start, end, dtype)
+    return tokens[:, start:end]
+
+
+def _chunks(num_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk, counted from the window's first token::
+
+    CHUNK_TOKENS 4, 10 tokens:  |0 1 2 3|4 5 6 7|8 9|
+    """
+    return [(start, min(num_tokens, start + CHUNK_TOKENS)) for start in range(0, num_tokens, CHUNK_TOKENS)]
+
+
+def _weighted_values(
+    weights: npt.NDArray[np.floating], values: Tokens, dtype: np.dtype[Any]
+) -> npt.NDArray[np.floating]:
+    """``weights (num_kv_heads, rows, num_tokens) @ values``, chunk by chunk, in chunk order."""
+    out: npt.NDArray[np.floating] | None = None
+    for start, end in _chunks(values.shape[1]):
+        part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
+        if out is None:
+            out = part
+        else:
+            out += part
+    assert out is not None
+    return out
+
+
+def _scores(
+    grouped: npt.NDArray[np.floating], keys: Tokens, dtype: np.dtype[Any]
+) -> npt.NDArray[np.floating]:
+    """``grouped (num_kv_heads, rows, head_dim) @ keys^T``, chunk by chunk."""
+    num_kv_heads, num_tokens, _ = keys.shape
+    scores = np.empty((num_kv_heads, grouped.shape[1], num_tokens), dtype)
+    query_t = grouped.transpose(0, 2, 1)
+    for start, end in _chunks(num_tokens):
+        # NOTE: keys @ query^T rather than query @ keys^T: with several rows
+        # (grouped-query heads, prefill) numpy falls back from BLAS for the
+        # transposed right operand; this form stays on BLAS (measured 3x).
+        part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
+        scores[:, :, start:end] = part.transpose(0, 2, 1)
+    return scores
+
+
+def attend_chunked(
+    query: npt.NDArray[np.floating],
+    keys: Tokens,
+    values: Tokens,
+    scale: float,
+    dtype: np.dtype[Any],
+) -> npt.NDArray[np.floating]:
+    """``softmax(scale * K q) . V`` over float or quantized keys/values, chunk by chunk.
+
+    The quantized counterpart of :func:`attend_dense`, same
+    grouped-query rule. Each chunk of ``CHUNK_TOKENS`` tokens is dequantized
+    just before its matmul; nothing holds the whole window as floats.
+
+    Args:
+        query: ``(num_q_heads, head_dim)`` of ``dtype``.
+        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
+        values: the same for values.
+        scale: multiplies every score.
+        dtype: the compute dtype.
+
+    Returns:
+        A new ``(num_q_heads, head_dim)`` array.
+    """
+    num_kv_heads, _, head_dim = keys.shape
+    grouped = query.reshape(num_kv_heads, -1, head_dim)
+    scores = _scores(grouped, keys, dtype)  # (num_kv_heads, group, num_tokens)
+    scores = softmax_rows(scores, scale)
+    out = _weighted_values(scores, values, dtype)  # (num_kv_heads, group, head_dim)
+    result: npt.NDArray[np.floating] = out.reshape(query.shape)
+    return result
+
+
+def attend_chunked_masked(
+    queries: npt.NDArray[np.floating],
+    keys: Tokens,
+    values: Tokens,
+    visible: npt.NDArray[np.bool_],
+    scale: float,
+    dtype: np.dtype[Any],
+) -> npt.NDArray[np.floating]:
+    """Many query tokens, each over the keys its row of ``visible`` allows (chunked prefill).
+
+    The quantized counterpart of :func:`attend_dense_masked`.
+
+    Args:
+        queries: ``(num_queries, num_q_heads, head_dim)``.
+        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
+        values: the same for values.
+        visible: ``(num_queries, num_tokens)``; every row sees at least one key.
+        scale: multiplies every score.
+        dtype: the compute dtype.
+
+    Returns:
+        A new ``(num_queries, num_q_heads, head_dim)`` array.
+    """
+    num_queries, num_q_heads, head_dim = queries.shape
+    num_kv_heads, num_tokens, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
+    scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
+    scores = softmax_rows(scores, scale, visible[None, :, None, :])
+    weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
+    out = _weighted_values(weights, values, dtype)
+    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
+    return result
+
+
+# ------------------------------------------------------------ the walk over block tables
+# A token at logical index ``p`` of a sequence with ``S`` sink tokens, in a layer with window ``W``,
+# sees (``visible_ranges``):
+#
+#     sinks 0 .. S-1   and   max(S, p - W + 1) .. p        (W None: S .. p)
+#     S = 2, W = 3, p = 9:   [0 1] 2 3 4 5 6 [7 8 9]
+#
+# One new token (decode) runs attend_dense on exactly those tokens, read by KVPool.read as a
+# token-major (num_tokens, num_kv_heads, head_dim) array (a mapped view, a run of the storage or a
+# gather: the same numbers and strides each way); several (a prefill chunk) run the masked kernel
+# over what the table holds. A quantized pool runs the chunked kernels the same way, on its codes.
+
+
+def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> list[tuple[int, int]]:
+    """Logical index ranges ``[start, end)`` the token at ``position`` attends to.
+
+    >>> visible_ranges(2, 3, 9)
+    [(0, 2), (7, 10)]
+    >>> visible_ranges(0, None, 4)
+    [(0, 5)]
+    """
+    if window is None and not num_sink_tokens and position >= 0:  # the common case, at once
+        return [(0, position + 1)]
+    sinks = min(num_sink_tokens, position + 1)
+    start = sinks if window is None else max(sinks, position + 1 - window)
+    ranges = [(0, sinks)] if sinks else []
+    if position + 1 > start:
+        ranges.append((start, position + 1))
+    return ranges
+
+
+def attend_sequence(
+    pool: KVPool,
+    layer: int,
+    table: BlockTable,
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+) -> npt.NDArray[Any]:
+    """Attention of a sequence's newest ``len(queries)`` tokens over its own tokens.
+
+    Args:
+        pool: the pool holding the table's blocks.
+        layer: the layer whose storage to read.
+        table: the sequence's block table; the queries are its newest tokens.
+        window: the layer's window, or None.
+        queries: ``(num_new_tokens, num_q_heads, head_dim)``.
+        scale: multiplies every score.
+
+    Returns:
+        A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
+    """
+    last = table.num_tokens - 1
+    # A quantized pool gathers codes and scales and runs the chunked kernels;
+    # everything else (which tokens, which mask) is the same.
+    quantized = pool.quantized
+    if len(queries) == 1:
+        ranges = visible_ranges(table.num_sink_tokens, window, last)
+        if quantized:
+            key_codes, value_codes = pool.pages.gather_quantized(layer, table.read_plan(ranges))
+            return attend_chunked(queries[0], key_codes, value_codes, scale, pool.dtype)[None]
+        keys, values = pool.read(layer, table, ranges)  # (num_visible, num_kv_heads, head_dim)
+        return attend_dense(queries[0], keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale)[None]
+    held = table.live_ranges()
+    mask = _prefill_mask(table, held, window, len(queries))
+    if quantized:
+        key_codes, value_codes = pool.pages.gather_quantized(layer, table.read_plan(held))
+        return attend_chunked_masked(queries, key_codes, value_codes, mask, scale, pool.dtype)
+    keys, values = pool.read(layer, table, held)  # (num_held, num_kv_heads, head_dim)
+    return attend_dense_masked(queries, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), mask, scale)
+
+
+def _prefill_mask(
+    table: BlockTable, held: list[tuple[int, int]], window: int | None, num_queries: int
+) -> npt.NDArray[np.bool_]:
+    """``(num_queries, num_held)``: which held token each of the newest queries sees."""
+    last = table.num_tokens - 1
+    positions = np.concatenate([np.arange(start, end) for start, end in held])
+    query_positions = np.arange(last + 1 - num_queries, last + 1)
+    mask = positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        in_window = positions[None, :] > query_positions[:, None] - window
+        mask &= in_window | (positions[None, :] < table.num_sink_tokens)
+    result: npt.NDArray[np.bool_] = mask
+    return result
+
+
+def attend_decode_padded(
+    pool: KVPool,
+    layer: int,
+    tables: list[BlockTable],
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+) -> npt.NDArray[Any]:
+    """One new token per table, all sequences in one padded kernel call.
+
+    Args:
+        pool: the pool holding the tables' blocks.
+        layer: the layer whose storage to read.
+        tables: one block table per query, each ending in its query's token.
+        window: the layer's window, or None.
+        queries: ``(len(tables), num_q_heads, head_dim)``.
+        scale: multiplies every score.
+
+    Returns:
+        A new ``(len(tables), num_q_heads, head_dim)`` array.
+    """
+    if pool.quantized:
+        # NOTE: no padded kernel for quantized pages: one chunked call per
+        # sequence, equal bit for bit to method="loop".
+        outputs = [
+            attend_sequence(pool, layer, table, window, queries[row : row + 1], scale)
+            for row, table in enumerate(tables)
+        ]
+        return np.concatenate(outputs)
+    slot_lists = [
+        table.slot_array(visible_ranges(table.num_sink_tokens, window, table.num_tokens - 1))
+        for table in tables
+    ]
+    lengths = np.array([len(slots) for slots in slot_lists])
+    width = int(lengths.max())
+    padded = np.zeros((len(tables), width), np.intp)
+    for row, slots in enumerate(slot_lists):
+        padded[row, : len(slots)] = slots
+    keys, values = pool.read_gathered(layer, ReadPlan(padded.size, slots=padded.ravel()), len(tables))
+    shape = (len(tables), width, pool.num_kv_heads, pool.head_dim)
+    # (num_kv_heads, num_seqs, width, head_dim) views of the token-major gather
+    key_heads = keys.reshape(shape).transpose(2, 0, 1, 3)
+    value_heads = values.reshape(shape).transpose(2, 0, 1, 3)
+    return attend_padded(queries, key_heads, value_heads, lengths, scale)
+
+
+def attend_batch(
+    pool: KVPool,
+    layer: int,
+    tables: list[BlockTable],
+    query_start: npt.NDArray[np.int64],
+    window: int | None,
+    queries: npt.NDArray[Any],
+    scale: float,
+    method: str = "loop",
+) -> npt.NDArray[Any]:
+    """Attention of a batch's new tokens, each sequence over its own table.
+
+    Args:
+        pool: the pool holding the tables' blocks.
+        layer: the layer whose storage to read.
+        tables: one table per sequence, in batch order.
+        query_start: ``(len(tables) + 1,)`` offsets of each sequence's queries.
+        window: the layer's window, or None.
+        queries: ``(num_tokens, num_q_heads, head_dim)``.
+        scale: multiplies every score.
+        method: ``"loop"`` (one ``attend_sequence`` per table) or ``"padded"``
+            (one ``attend_decode_padded`` call when every sequence has one new token).
+
+    Returns:
+        A new ``(num_tokens, num_q_heads, head_dim)`` array.
+    """
+    if method == "padded" and len(queries) == len(tables):
+        return attend_decode_padded(pool, layer, tables, window, queries, scale)
+    out = np.empty_like(queries)
+    for table, lo, hi in zip(tables, query_start[:-1], query_start[1:]):
+        out[lo:hi] = attend_sequence(pool, layer, table, window, queries[lo:hi], scale)
+    return out

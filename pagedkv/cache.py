@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.attention import attend_sequence
 from pagedkv.blocks.table import BlockTable, TableState
 from pagedkv.counts import check_count, check_max_size, window_blocks
 from pagedkv.errors import (
@@ -41,7 +42,6 @@ from pagedkv.locking import release_cache
 from pagedkv.memory.pages import choose_view_mode
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import check_storage_dtype, storage_format
-from pagedkv.paged_attention import attend_sequence
 
 __all__ = ["CacheState", "KVCache"]
 

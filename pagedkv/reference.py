@@ -7,7 +7,7 @@ from it in a single bit is a bug in the paging, never rounding.
 
 With quantized storage (``key_dtype``/``value_dtype``) it quantizes the
 window's tokens exactly as the pool does, token by token, and runs the same
-chunked kernel (:func:`pagedkv.memory.quantization.attend_chunked`), so a quantized
+chunked kernel (:func:`pagedkv.attention.attend_chunked`), so a quantized
 cache equals it bit for bit too.
 
 >>> recompute([[1.0], [1.0]], [[1.0], [2.0]], [[42.0], [0.0]], max_size=1)
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.attention import attend_dense
-from pagedkv.memory.quantization import QuantizedTokens, Tokens, attend_chunked, storage_format
+from pagedkv.attention import attend_chunked, attend_dense
+from pagedkv.memory.quantization import QuantizedTokens, Tokens, storage_format
 
 __all__ = ["attend_window", "recompute"]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pagedkv import cli
-from pagedkv.testing.check import UsageError, load_factory, main, parse_max_sizes
+from pagedkv.cli.check import main, parse_max_sizes
+from pagedkv.testing.check import UsageError, load_factory
 
 
 def pagedkv_check(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -18,6 +18,7 @@ import pytest
 import pagedkv
 from pagedkv import cli
 from pagedkv.cli import build_parser, main
+from pagedkv.cli import check as check_command
 from pagedkv.cli import demo as demo_module
 from pagedkv.simulate import command as command_module
 from pagedkv.simulate.progress import Progress, format_seconds
@@ -256,7 +257,7 @@ def test_an_output_file_that_cannot_be_written_after_the_run_exits_2(
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(check, "open", refuse, raising=False)
+    monkeypatch.setattr(check_command, "open", refuse, raising=False)
     argv = ["check", "pagedkv.testing.buggy:FreesBlockEarly", "--seed", "1", "-o", str(tmp_path / "repro.py")]
     status, out, err = run_cli(argv, capsys)
     assert status == 2

@@ -1,9 +1,11 @@
-"""Imports run one way: errors -> allocator -> block table -> storage/attention -> cache -> manager -> tools.
+"""Imports run one way: blocks -> memory -> attention -> cache; prefix -> manager -> tools.
 
 Read from the source with ``ast``, so a new module is checked the day it is
-added: no cycle among module-level imports, the bottom layers stay free of
-numpy and of everything above them, and no core module imports a tool built
-on it (the simulator, the conformance kit, integrations, the CLI).
+added: every package imports only the layers below it, no module imports
+another in a circle (function-level and ``TYPE_CHECKING`` imports included),
+the allocator never imports numpy, and ``pagedkv/`` keeps at most ten
+top-level modules. The layers and the reason for each are drawn in
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -13,42 +15,77 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pagedkv"
 
-#: Packages and modules built on the core; the core never imports them.
-TOOLS = ("pagedkv.simulate", "pagedkv.testing", "pagedkv.integrations", "pagedkv.cli", "pagedkv.snapshot")
-#: Modules that may import the manager (it is near the top).
-ABOVE_MANAGER = ("pagedkv.integrations.interop", "pagedkv.cli.demo", "pagedkv.__main__", *TOOLS)
-#: The bottom: ints and errors only, no numpy (STYLE.md: the allocator never sees an array).
-BOTTOM = {"pagedkv.errors": set(), "pagedkv.counts": {"pagedkv.errors"},
-          "pagedkv.blocks.cached_blocks": {"pagedkv.errors"},
-          "pagedkv.blocks.allocator": {"pagedkv.errors", "pagedkv.counts", "pagedkv.blocks.cached_blocks"}}
+#: The helpers every layer may use: errors, counts, input checks.
+BASE = ("pagedkv.errors", "pagedkv.counts", "pagedkv.inputs")
+#: Built on the library; any of them may import anything but ``pagedkv.__main__``.
+TOOLS = (
+    "pagedkv.integrations", "pagedkv.snapshot", "pagedkv.testing", "pagedkv.simulate",
+    "pagedkv.cli", "pagedkv.__main__",
+)
+#: Each layer and what it may import besides itself (its own package) and BASE.
+#: NOTE: ``reference`` (the dense recompute) is a helper over memory and attention;
+#: ``locking`` sits beside attention, used by the cache and the manager.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "pagedkv.blocks": (),
+    "pagedkv.memory": ("pagedkv.blocks",),
+    "pagedkv.attention": ("pagedkv.blocks", "pagedkv.memory"),
+    "pagedkv.locking": ("pagedkv.blocks", "pagedkv.memory"),
+    "pagedkv.reference": ("pagedkv.blocks", "pagedkv.memory", "pagedkv.attention"),
+    "pagedkv.cache": (
+        "pagedkv.blocks", "pagedkv.memory", "pagedkv.attention", "pagedkv.locking", "pagedkv.reference",
+    ),
+    "pagedkv.prefix": ("pagedkv.blocks",),
+    "pagedkv.manager": (
+        "pagedkv.blocks", "pagedkv.memory", "pagedkv.attention", "pagedkv.locking",
+        "pagedkv.reference", "pagedkv.prefix",
+    ),
+}
+#: The allocator sees block ids, never an array (docs/architecture.md, "blocks").
+ALLOCATOR = "pagedkv.blocks.allocator"
+#: ``pagedkv/`` itself: ``__init__``, ``__main__`` and at most this many more modules.
+MAX_TOP_LEVEL_MODULES = 10
 
 
-def _module_name(path: Path) -> str:
-    name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
     return name.removesuffix(".__init__")
 
 
-def _imports(path: Path, *, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+def _imports(path: Path, *, root: Path = ROOT) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (functions and ``TYPE_CHECKING`` blocks too).
+
+    ``from a import b`` counts as ``a``, and as ``a.b`` as well (``b`` may be a
+    module); relative imports are resolved. The checks keep only names they know.
+    """
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     found: set[str] = set()
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [node.module])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found
 
 
-def _graph(*, top_level_only: bool) -> dict[str, set[str]]:
-    return {
-        _module_name(path): _imports(path, top_level_only=top_level_only)
-        for path in sorted(ROOT.rglob("*.py"))
-    }
+def _graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports."""
+    paths = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    return {name: {dep for dep in _imports(path, root=root) if dep in paths and dep != name}
+            for name, path in paths.items()}
 
 
 def _is_under(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _layer(module: str) -> str | None:
+    return next((layer for layer in LAYERS if _is_under(module, (layer,))), None)
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -72,35 +109,70 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_among_module_level_imports() -> None:
-    graph = _graph(top_level_only=True)
-    graph.pop("pagedkv")  # the package re-exports; its modules import each other, not it
-    cycle = _find_cycle(graph)
-    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+def _graph_without_the_api(root: Path = ROOT) -> dict[str, set[str]]:
+    graph = _graph(root)
+    # The package re-exports (its modules import each other, not it); a package's
+    # __init__ importing its own modules, which import it back by their dotted
+    # path, is how Python packages work and not a circle between concepts.
+    graph.pop(root.name, None)
+    return {name: {dep for dep in deps if not name.startswith(dep + ".")} for name, deps in graph.items()}
 
 
-def test_the_bottom_layers_import_only_what_is_below_them() -> None:
-    graph = _graph(top_level_only=False)
-    for name, allowed in BOTTOM.items():
-        imported = {dep for dep in graph[name] if dep.startswith("pagedkv") or dep == "numpy"}
-        assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}"
+def test_no_import_circle_among_modules_function_level_imports_included() -> None:
+    cycle = _find_cycle(_graph_without_the_api())
+    assert cycle is None, f"import circle: {' -> '.join(cycle or [])}"
 
 
-def test_no_core_module_imports_the_tools_or_the_manager() -> None:
-    graph = _graph(top_level_only=False)
-    for name, deps in graph.items():
-        if name == "pagedkv" or _is_under(name, ABOVE_MANAGER):
+def test_every_layer_imports_only_the_layers_below_it() -> None:
+    wrong = []
+    for name, deps in _graph().items():
+        if name == "pagedkv" or _is_under(name, TOOLS):
             continue
+        allowed = BASE if _is_under(name, BASE) else (*BASE, *LAYERS[_layer(name) or name])
+        own = _layer(name) or name
         for dep in deps:
-            assert not _is_under(dep, TOOLS), f"core module {name} imports the tool {dep}"
-            if name != "pagedkv.manager.manager":
-                assert dep != "pagedkv.manager.manager", f"{name} imports the manager, which sits above it"
+            if dep == "pagedkv" or not (_is_under(dep, (own, *allowed)) or dep.startswith(name + ".")):
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
 
 
-def test_the_checker_sees_a_planted_cycle(tmp_path: Path) -> None:
+def test_every_module_belongs_to_a_layer_or_a_tool() -> None:
+    unknown = [name for name in _graph() if name != "pagedkv"
+               and not _is_under(name, (*BASE, *LAYERS, *TOOLS))]
+    assert not unknown, f"modules outside every layer (add them to LAYERS or TOOLS): {unknown}"
+
+
+def test_the_helpers_at_the_bottom_import_only_each_other() -> None:
+    graph = _graph()
+    assert graph["pagedkv.errors"] == set()
+    for name in BASE:
+        assert graph[name] <= set(BASE), f"{name} imports {sorted(graph[name] - set(BASE))}"
+
+
+def test_the_allocator_imports_no_numpy_and_nothing_but_the_helpers() -> None:
+    path = ROOT / "blocks" / "allocator.py"
+    imported = {dep for dep in _imports(path) if dep.startswith("pagedkv") or dep.split(".")[0] == "numpy"}
+    assert not any(dep.split(".")[0] == "numpy" for dep in imported), f"{ALLOCATOR} imports numpy"
+    assert _graph()[ALLOCATOR] <= set(BASE), f"{ALLOCATOR} imports {sorted(_graph()[ALLOCATOR])}"
+
+
+def test_the_top_of_the_package_holds_at_most_ten_modules() -> None:
+    modules = sorted(path.stem for path in ROOT.glob("*.py") if path.stem not in ("__init__", "__main__"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, f"{len(modules)} top-level modules: {modules}"
+
+
+def test_the_checker_sees_planted_circles_and_layer_breaks(tmp_path: Path) -> None:
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "numpy"}, "b": set()}) is None
-    # Module-level imports only, for the cycle check; every import, for the layer rules.
-    (tmp_path / "c.py").write_text("from pagedkv.b import x\ndef f():\n    from pagedkv.d import y\n")
-    assert _imports(tmp_path / "c.py", top_level_only=True) == {"pagedkv.b"}
-    assert _imports(tmp_path / "c.py", top_level_only=False) == {"pagedkv.b", "pagedkv.d"}
+    # A function-level import and a TYPE_CHECKING import close a circle as surely as a module-level one.
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("from pkg.b import x\n")
+    (root / "b.py").write_text("def f():\n    from pkg.c import y\n")
+    (root / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    assert _find_cycle(_graph_without_the_api(root)) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    assert _imports(root / "c.py", root=root) >= {"pkg", "pkg.a"}
+    assert _layer("pagedkv.blocks.allocator") == "pagedkv.blocks"
+    assert _layer("pagedkv.attention") == "pagedkv.attention"
+    assert _layer("pagedkv.attentions") is None

@@ -51,9 +51,9 @@ from hypothesis.stateful import (
 )
 from support.managers import make_manager
 
+import pagedkv.attention
 import pagedkv.cache
 import pagedkv.memory.quantization as quantization
-import pagedkv.paged_attention
 from pagedkv import KVCache, KVCacheManager, KVPool, reference
 from pagedkv.attention import attend_dense
 from pagedkv.errors import ConfigError, InputTypeError, PoolExhaustedError
@@ -241,7 +241,7 @@ def test_float_pools_are_untouched() -> None:
 
 
 def test_attention_dequantizes_chunk_by_chunk_never_the_whole_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quantization, "CHUNK_TOKENS", 4)
+    monkeypatch.setattr(pagedkv.attention, "CHUNK_TOKENS", 4)
     seen: list[int] = []
     original = quantization.StorageFormat.dequantize
 
@@ -265,7 +265,7 @@ def test_chunk_boundaries_follow_logical_positions_not_block_placement(
     monkeypatch: pytest.MonkeyPatch, key_dtype: str | None, value_dtype: str | None
 ) -> None:
     """Two interleaved caches on one pool: fragmented tables, windows sliding, chunks of 3 tokens."""
-    monkeypatch.setattr(quantization, "CHUNK_TOKENS", 3)
+    monkeypatch.setattr(pagedkv.attention, "CHUNK_TOKENS", 3)
     rng = np.random.default_rng(7)
     pool = KVPool(12, block_size=2, num_kv_heads=2, head_dim=8, dtype=np.float32,
                   key_dtype=key_dtype, value_dtype=value_dtype)
@@ -310,7 +310,7 @@ def test_a_private_windowed_cache_compacts_quantized_blocks_with_their_scales() 
 def test_manager_decode_is_bit_exact_through_fork_copy_on_write_swap_windows_and_sinks(
     monkeypatch: pytest.MonkeyPatch, key_dtype: str, value_dtype: str
 ) -> None:
-    monkeypatch.setattr(quantization, "CHUNK_TOKENS", 5)
+    monkeypatch.setattr(pagedkv.attention, "CHUNK_TOKENS", 5)
     rng = np.random.default_rng(11)
     manager = make_manager(40, host_blocks=40, block_size=4, num_kv_heads=2, head_dim=16, num_layers=2,
                            dtype=np.float32, key_dtype=key_dtype, value_dtype=value_dtype, max_size=9,
@@ -375,7 +375,7 @@ class QuantizedCaches(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved_chunk = quantization.CHUNK_TOKENS
+        self.saved_chunk = pagedkv.attention.CHUNK_TOKENS
         self.entries: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
     @initialize(
@@ -390,7 +390,7 @@ class QuantizedCaches(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, block_size: int, head_dim: int, heads: tuple[int | None, int],
               dtype: Any, storage: tuple[str | None, str | None], chunk: int) -> None:
-        quantization.CHUNK_TOKENS = chunk  # tiny chunks: boundaries inside and across blocks
+        pagedkv.attention.CHUNK_TOKENS = chunk  # tiny chunks: boundaries inside and across blocks
         self.num_q_heads, self.num_kv_heads = heads
         self.head_dim, self.dtype = head_dim, dtype
         self.key_dtype, self.value_dtype = storage
@@ -400,7 +400,7 @@ class QuantizedCaches(RuleBasedStateMachine):
         note(f"pool {self.pool!r}, chunk {chunk}")
 
     def teardown(self) -> None:
-        quantization.CHUNK_TOKENS = self.saved_chunk
+        pagedkv.attention.CHUNK_TOKENS = self.saved_chunk
 
     @rule(target=caches, max_size=st.one_of(st.none(), st.integers(1, 12)))
     def create(self, max_size: int | None) -> KVCache:
@@ -499,7 +499,7 @@ def test_the_machine_catches_a_kernel_that_ignores_the_chunks(monkeypatch: pytes
 
         return attend_dense(query, floats(keys), floats(values), scale)
 
-    monkeypatch.setattr(pagedkv.paged_attention, "attend_chunked", whole_window)
+    monkeypatch.setattr(pagedkv.attention, "attend_chunked", whole_window)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(QuantizedCaches, settings=hunt())
 
@@ -611,5 +611,5 @@ def test_the_size_rule_matches_the_arrays_a_pool_makes(name: str, head_dim: int)
     # head_bytes sizes pools without loading a format (no ml_dtypes needed); the pool's own
     # arrays are what it must agree with: codes plus scales, per token and head.
     pool = KVPool(2, block_size=4, num_kv_heads=3, head_dim=head_dim, key_dtype=name, value_dtype=name)
-    stored = sum(array.nbytes for group in pool._groups() for array in group)
+    stored = sum(array.nbytes for group in pool.pages._groups() for array in group)
     assert stored == 2 * 4 * 3 * 2 * head_bytes(name, head_dim, pool.dtype)

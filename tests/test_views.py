@@ -353,7 +353,7 @@ def test_each_block_is_populated_once_in_runs_of_consecutive_ids(monkeypatch: py
         "pagedkv.memory.views.populate", lambda address, size: calls.append((address, size)) or True
     )
     pool = views_pool(16, num_layers=2)
-    page_file = pool._pages.page_file
+    page_file = pool.pages.page_file
     assert page_file is not None
     base = page_file.address
     pool.allocator.allocate(3)  # blocks 0, 1, 2: one run per (layer, side)

@@ -7,11 +7,19 @@ Exit status: 0 on success, 1 when a check found a failure, 2 on bad usage,
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
+
+from pagedkv.cli.args import (
+    fraction,
+    int_range,
+    non_negative_float,
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+)
+from pagedkv.cli.check import add_check_parser
 
 __all__ = ["main"]
 
@@ -37,7 +45,7 @@ def _viz(args: argparse.Namespace) -> int:
     return run_viz(args)
 
 
-# ---- argparse types: a bad value exits 2 with "argument --flag: expected ..., got ..." ----
+# ---- limits of the demo's and the study's options ----
 
 #: The most demo tokens: about 3 minutes at the demo's ~5,000 tokens a second.
 MAX_DEMO_TOKENS = 1_000_000
@@ -47,101 +55,6 @@ MAX_NUM_REQUESTS = 10_000_000
 MAX_SAMPLES = 10_000
 #: numpy draws prefix groups as int64.
 MAX_INT64 = 2**63 - 1
-
-
-def int_range(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an int in ``[minimum, maximum]`` (no upper bound when ``maximum`` is None).
-
-    >>> int_range(1, 10)("3")
-    3
-    """
-    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    expected = kind if maximum is None else f"{kind} up to {maximum:,}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also ints of more than 4,300 digits
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive_int = int_range(1)
-non_negative_int = int_range(0)
-
-
-def _float(text: str, expected: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: any finite number (not nan, inf or -inf)."""
-    return _float(text, "a finite number")
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    value = _float(text, "a finite number > 0")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    value = _float(text, "a finite number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """An argparse type: a number in ``[0, 1)``."""
-    value = _float(text, "a number in [0, 1)")
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def output_file(text: str) -> str:
-    """An argparse type: a file that can be written in an existing folder (not created here)."""
-    path = Path(text)
-    if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a file to write, got {text!r}")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {str(path.parent)!r}")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
-    return text
-
-
-def output_folder(text: str) -> str:
-    """An argparse type: a folder that exists or can be made, and can be written (not created here)."""
-    path = Path(text)
-    if not text or (path.exists() and not path.is_dir()):
-        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
-    ancestor = _nearest_existing(path)
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
-        raise argparse.ArgumentTypeError(
-            f"cannot write into {text!r}: {str(ancestor)!r} is not a folder we may write"
-        )
-    return text
 
 
 def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, object]) -> None:
@@ -373,13 +286,6 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     viz.set_defaults(run=_viz)
 
 
-def _add_check_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    # pagedkv check: pagedkv.testing.check imports no Hypothesis; the kit loads when run.
-    from pagedkv.testing.check import add_check_parser
-
-    add_check_parser(commands)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     return _build_parsers()[0]
@@ -405,7 +311,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     demo.add_argument("--seed", type=non_negative_int, default=0, help="random seed, >= 0 (default 0)")
     demo.set_defaults(run=_demo)
     _add_study_parsers(commands)
-    _add_check_parser(commands)
+    add_check_parser(commands)
     return parser, dict(commands.choices)
 
 

@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.attention import attend_batch, attend_sequence
 from pagedkv.blocks.table import BlockTable
 from pagedkv.counts import check_count, check_layer
-from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, refuse_pickling
+from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, ShapeError, refuse_pickling
 from pagedkv.inputs import (
     check_scale,
     check_score_bound_from_max,
     check_token_pair,
     check_tokens,
+    is_torch_tensor,
     like_input,
+    torch_array,
 )
 from pagedkv.locking import locked, run_or_defer
 from pagedkv.manager.config import configure
@@ -55,7 +58,6 @@ from pagedkv.manager.sequence import (
     check_settled,
 )
 from pagedkv.memory.pool import KVPool
-from pagedkv.paged_attention import attend_batch, attend_sequence
 from pagedkv.prefix.cache import PrefixCache, check_token_ids, pack_token_ids
 from pagedkv.prefix.events import KVEvent, KVEventBuffer
 from pagedkv.prefix.keys import ExtraKeys, encode_extra_keys
@@ -252,8 +254,8 @@ class KVCacheManager:
         """What ``reserve(requests)`` would take and free, without doing it.
 
         Args:
-            requests: as for ``reserve``, or ``{}``: nothing to reserve, which fits
-                (``reserve({})`` itself is refused).
+            requests: as for ``reserve``; ``{}`` (nothing to reserve, as
+                ``reserve({})``'s empty step) fits and takes nothing.
             admit: ``lookup`` results of prompts to admit first, in the same
                 step: their blocks count too (a cached block two of them
                 revive counts once).
@@ -262,11 +264,7 @@ class KVCacheManager:
             UnknownSequenceError, DuplicateSequenceError, ConfigError,
             SequenceStateError: as ``reserve`` would.
         """
-        if isinstance(requests, Mapping) and not requests:  # nothing to reserve (admissions only, or none)
-            num_free = self.pool.allocator.num_free_blocks
-            plan = ReservationPlan(True, 0, 0, 0, num_free)
-        else:
-            plan = plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
+        plan = plan_requests(self._seqs, requests, self.pool, self.max_size, self._sharing is not None)
         if not admit:
             return plan
         revived = {block_id for entry in admit for block_id in entry.revived_block_ids}
@@ -355,6 +353,10 @@ class KVCacheManager:
                 caching a sequence that caches its blocks gives its new
                 tokens' ids instead (``{seq_id: [17, 4, 99]}``) so full blocks
                 get keys (see ``add_sequence(..., cache_blocks=...)``).
+                ``{}`` (or no pairs) is an empty step: it changes nothing and
+                returns the empty batch (``num_seqs == num_tokens == 0``),
+                which ``write`` and ``attend`` take with ``0``-token inputs,
+                as ``can_reserve({})`` (True) promises.
 
         Returns:
             The :class:`~pagedkv.manager.reserve.Batch` to write and attend, every layer.
@@ -776,6 +778,10 @@ class KVCacheManager:
                     f"layer {layer} of sequence {seq.seq_id!r} is already written for this batch"
                 )
         expected = (counts[0] if len(counts) == 1 else sum(counts), pool.num_kv_heads, pool.head_dim)
+        if not seqs:  # the empty step (reserve({})): nothing to store
+            _check_no_tokens("keys", keys, pool.dtype, expected)
+            _check_no_tokens("values", values, pool.dtype, expected)
+            return
         key_array, value_array, largest_key = check_token_pair(
             keys, values, pool.dtype, expected, not self.trusted_inputs, self._scan_index
         )
@@ -868,6 +874,8 @@ class KVCacheManager:
                 )
         expected = (batch.num_tokens, self.num_q_heads, pool.head_dim)
         dtype = pool.dtype
+        if not seqs:  # the empty step (reserve({})): no rows to attend
+            return np.empty(_check_no_tokens("queries", queries, dtype, expected).shape, dtype)
         query_array, largest_query = check_tokens("queries", queries, dtype, expected, scan)
         if scan:
             check_score_bound_from_max(scale, query_array, largest_query, self._max_abs_key[layer], dtype)
@@ -876,6 +884,33 @@ class KVCacheManager:
             return attend_sequence(pool, layer, seqs[0].table, window, query_array, scale)
         tables = [seq.table for seq in seqs]
         return attend_batch(pool, layer, tables, batch.query_start, window, query_array, scale, method)
+
+
+def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]) -> Any:
+    """The inputs of an empty step: ``value`` as an array of ``expected``, ``(0, num_heads, head_dim)``.
+
+    An array (or CPU tensor) of real numbers of exactly that shape passes, as
+    ``check_tokens`` takes it; it holds no value to scan. Anything else gets
+    ``check_tokens``' own error (a ShapeError for tokens the step has no slot for).
+
+    Raises:
+        ShapeError, InputTypeError, NonFiniteError: as :func:`~pagedkv.inputs.check_tokens`.
+
+    >>> _check_no_tokens("q", np.empty((0, 2, 3)), np.dtype(np.float64), (0, 2, 3)).shape
+    (0, 2, 3)
+    """
+    array = torch_array(name, value) if is_torch_tensor(value) else value
+    if (
+        array.__class__ is np.ndarray
+        and array.shape == expected
+        and array.dtype.kind in "fiu"
+    ):
+        return array
+    if isinstance(array, np.ndarray) and array.size == 0 and array.ndim == 3 and array.shape != expected:
+        raise ShapeError(
+            f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
+        )
+    return check_tokens(name, value, dtype, expected)[0]  # raises: a non-empty value has no slot here
 
 
 def _release_manager(

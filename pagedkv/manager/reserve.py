@@ -138,13 +138,16 @@ class ReservationPlan:
 def parse_requests(requests: Requests) -> ParsedRequests:
     """Every request of ``requests``, its types and token ids validated.
 
+    No request at all (``{}``, ``[]``) parses to no request: an empty step.
+
     Raises:
         InputTypeError: not a mapping or pairs; a value neither a count nor token ids; a bad id.
-        ConfigError: no request at all.
 
     >>> parsed = parse_requests({"a": 2, "b": [5, 7]})
     >>> parsed.seq_ids, parsed.counts, parsed.token_ids
     (['a', 'b'], [2, 2], [None, [5, 7]])
+    >>> len(parse_requests({}))
+    0
     """
     if requests.__class__ is dict:
         pairs: Iterable[tuple[Any, Any]] = requests.items()
@@ -176,8 +179,6 @@ def parse_requests(requests: Requests) -> ParsedRequests:
         counts.append(len(token_ids))
         token_lists.append(token_ids)
         packed_lists.append(packed)
-    if not seq_ids:
-        raise ConfigError("a reservation needs at least one sequence")
     return parsed
 
 
@@ -450,6 +451,11 @@ class Batch:
             again) is refused, and so is any batch but the very object
             ``reserve`` returned (a copy, or one built by hand).
 
+    ``reserve({})`` issues the empty batch: no sequence, ``query_start`` ``[0]``,
+    an empty ``slot_mapping``; ``write`` and ``attend`` take it with inputs of
+    ``0`` tokens, store nothing and return ``0`` rows (a serving loop whose
+    running set is empty runs its step unchanged).
+
     The arrays are read-only (an edit in place raises
     :class:`~pagedkv.errors.ReadOnlyArrayError`, also a ``ValueError``).
     NOTE: ``reserve`` keeps its Python values (slot pieces, counts) and makes
@@ -587,6 +593,8 @@ def batch_records(records: SequenceRegistry, batch: Batch) -> list[SequenceRecor
         InputTypeError: ``batch`` is not a Batch.
         SequenceStateError: a sequence was freed, preempted or reserved again
             since, or ``batch`` is not the object ``reserve`` returned.
+
+    An empty batch (no sequence, no token) gives no record: an empty step.
     """
     found = []
     get = records.get
@@ -619,8 +627,13 @@ def _diagnose(records: SequenceRegistry, batch: Batch) -> list[SequenceRecord]:
                 "batch built by hand); write and attend take only the manager's own batch"
             )
         found.append(record)
-    if not found:
-        raise SequenceStateError("this batch holds no sequence; write and attend take only reserve()'s batch")
+    if not found and batch.num_new_tokens:
+        raise SequenceStateError(
+            f"this batch holds no sequence but {batch.num_new_tokens!r} new tokens; "
+            "write and attend take only reserve()'s batch"
+        )
+    # NOTE: the empty batch is taken whoever built it: it names no slot, so it
+    # cannot aim keys and values at any sequence's blocks.
     return found
 
 
@@ -645,6 +658,8 @@ def reserve_requests(
         what ``KVCacheManager.reserve`` documents; nothing changes.
     """
     parsed = parse_requests(requests)
+    if not parsed:  # an empty step: nothing to plan, stamp or take
+        return Batch._issue((), (), (), [], ())
     chosen = resolve_requests(records, parsed, keyed=keyed, num_layers=pool.num_layers)
     allocator = pool.allocator
     tables = [record.table for record in chosen]

@@ -1,33 +1,12 @@
 """What ``os.fork()`` does to page files: the child gets pages of its own, never its parent's.
 
-A pool's plain numpy arrays are private to each process after a fork (copy on
-write). Its page file is shared memory: without this module a child that
-writes its pools writes its parent's, and the other way round (a child that
-cleared its caches and cached new tokens changed what its parent's cache
-read, 1.0 to 9.0, tests/test_page_fork.py). Every pool with a page file is
-tracked here, and at each fork (``os.register_at_fork``):
-
-* before, in the parent: the locks are taken in the lock order below, then
-  each page file's data (its holes stay holes) is copied into a new file, or,
-  when no descriptor is left for one, into private anonymous memory;
-* in the child: each file copy is mapped over its pool's own mapping in place
-  (every array keeps its address and now shows the copy) and takes the old
-  file's descriptor number; a memory copy is moved over the mapping instead
-  (``mremap``) and that pool gathers from then on (no view can map private
-  memory); every page view is zeroed and dropped; the locks are released;
-* after, in the parent: the locks are released and the copies dropped.
-
-A child whose pool has no copy at all (no memory for one) gets that pool's
-pages made inaccessible, with a warning: touching them kills the child, which
-never shares its parent's pages.
-
-Lock order, the one order in which pagedkv takes locks together: (1) this
-module's fork lock (one fork at a time); (2) pools' locks, in the order the
-pools were made; (3) their views' locks, in the same order. A manager's swap
-takes its device pool's lock, then its host pool's, whichever was made first,
-so ``before`` never waits for a lock while it holds another: it takes each in
-order without waiting, and on a busy one lets go of all, waits for that one
-(up to ``LOCK_TIMEOUT_S``) and starts again.
+A page file is shared memory, so a child writing its pools would write its parent's. Every pool
+with a page file is tracked here; at each fork (``os.register_at_fork``) its live pages are copied
+(into a new file, or private memory when no descriptor is left) and the child maps the copy over
+its pool's own mapping in place and drops its views. Locks are taken in pagedkv's one lock order:
+this module's fork lock, then pools' locks, then their views' locks, in the order the pools were
+made. vLLM and SGLang have no counterpart (their workers start with ``spawn``). The hook step by
+step, the lock order and the fall-backs: docs/paging.md, "Safety rules", item 6.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""The shared pool: a block allocator paired with the pages its block ids index.
+"""The shared pool: a block allocator paired with the page store its block ids index.
 
-A :class:`KVPool` is a :class:`~pagedkv.memory.page_store.PageStore` (the key and
-value arrays of every layer, token-major ``(num_blocks, block_size,
-num_kv_heads, head_dim)``, with their reads and writes by slot) plus the
-bookkeeping that makes it shared: a :class:`~pagedkv.blocks.allocator.BlockAllocator`,
-the block holders ``check_invariants`` counts, a lock, and the page views.
-
-How a table is read (see ``docs/paging.md``): with ``view_mode == "views"``
-its blocks are mapped side by side (:mod:`pagedkv.memory.views`) and read as one
-contiguous ``(num_tokens, num_kv_heads, head_dim)`` array, whatever its block
-ids. A table whose ids form one run (``7, 8, 9``) is such an array in the
-storage itself; any other table of a ``"gather"`` pool is copied into scratch
-first (:mod:`pagedkv.memory.gather`). Every path gives the same array, bit for bit.
+A :class:`KVPool` owns a :class:`~pagedkv.memory.pages.PageStore` (``pool.pages``: every
+layer's key and value arrays, their reads and writes by slot) and adds what makes it shared: a
+:class:`~pagedkv.blocks.allocator.BlockAllocator`, the block holders ``check_invariants``
+counts, a lock, and the page views that read a fragmented table as one array.
+vLLM: ``BlockPool`` plus the worker's ``kv_caches``; SGLang: ``TokenToKVPoolAllocator`` with its
+``KVCache``. How a table is read (views, a run, or a gather): docs/paging.md.
 """
 
 from __future__ import annotations
@@ -31,9 +25,14 @@ from pagedkv.counts import check_count, check_layer
 from pagedkv.errors import ConfigError, InputTypeError, PoolTooLargeError, refuse_pickling
 from pagedkv.inputs import check_dtype
 from pagedkv.memory.fork import ForkCopy, track
-from pagedkv.memory.page_store import PageStore
-from pagedkv.memory.pages import choose_view_mode
-from pagedkv.memory.quantization import bytes_per_token, check_storage_dtype, storage_format
+from pagedkv.memory.pages import PageStore, choose_view_mode
+from pagedkv.memory.quantization import (
+    StorageFormat,
+    Tokens,
+    bytes_per_token,
+    check_storage_dtype,
+    storage_format,
+)
 from pagedkv.memory.views import PageViews, ViewStats
 from pagedkv.memory.vmem import map_budget
 
@@ -52,11 +51,17 @@ class BlockHolder(Protocol):
         ...
 
 
-class KVPool(PageStore):
+class KVPool:
     """A fixed number of blocks shared by any number of caches or sequences.
 
     Every layer's storage is indexed by the same block ids (as in vLLM): a
     sequence's one block table serves all layers.
+
+    The pages are a :class:`~pagedkv.memory.pages.PageStore` the pool owns,
+    ``pool.pages``; the pool's page methods (``key_pages``, ``gather``,
+    ``write``...) hand over to it, and its shape (``block_size``,
+    ``num_kv_heads``, ``head_dim``, ``num_layers``, ``dtype``...) are plain
+    attributes of the pool as well.
 
     Threads: caches and sequences on one pool may run in different threads;
     their commands hold ``lock`` and each thread gathers into scratch of its
@@ -143,10 +148,11 @@ class KVPool(PageStore):
         self.growable = growable
         try:
             self.allocator = BlockAllocator(num_blocks)
-            super().__init__(num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, num_layers=num_layers, dtype=compute,
-                             key_dtype=key_dtype, value_dtype=value_dtype, in_file=mode == "views",
-                             views_required=view_mode == "views")
+            #: The pages the block ids index (keys, values and scales of every layer).
+            self.pages = PageStore(num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim, num_layers=num_layers, dtype=compute,
+                                   key_dtype=key_dtype, value_dtype=value_dtype, in_file=mode == "views",
+                                   views_required=view_mode == "views")
         except ConfigError:  # view_mode="views" and no page file: not a size problem
             raise
         except (MemoryError, ValueError, OverflowError):  # numpy: "array is too big" is a ValueError
@@ -159,7 +165,23 @@ class KVPool(PageStore):
                 "give it fewer or smaller blocks",
                 wanted,
             ) from None
-        page_file = self._pages.page_file
+        pages = self.pages
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.dtype = compute
+        #: The shape of one token's keys (or values) for ``write``: ``(1, num_kv_heads, head_dim)``.
+        self.token_shape = pages.token_shape
+        #: Storage dtype names of keys and values (None: stored in ``dtype``).
+        self.key_dtype = key_dtype
+        self.value_dtype = value_dtype
+        #: Whether keys or values are stored as codes (attention then runs the chunked kernel).
+        self.quantized = pages.quantized
+        #: ``pages.write_token``, bound once: the decode write of every layer and token
+        #: calls it, and a method handing over would add a Python call to each.
+        self.write_token = pages.write_token
+        page_file = pages.page_file
         #: How fragmented tables are read: ``"views"`` (mapped) or ``"gather"`` (copied).
         self.view_mode = "views" if page_file is not None else "gather"
         #: Held by every cache and manager command that changes this pool's
@@ -201,6 +223,74 @@ class KVPool(PageStore):
         """Whether ``num_blocks`` blocks could be taken now (a growable pool always can)."""
         return self.growable or self.allocator.can_allocate(num_blocks)
 
+    # ------------------------------------------------ the pages (handed to ``self.pages``)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of keys and values one block holds across all layers (``PageStore.bytes_per_block``)."""
+        return self.pages.bytes_per_block
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot takes across all layers, scales included (``PageStore.bytes_per_token``)."""
+        return self.pages.bytes_per_token
+
+    @property
+    def key_format(self) -> StorageFormat | None:
+        """How keys are stored as codes, or None when they are stored in ``dtype``."""
+        return self.pages.key_format
+
+    @property
+    def value_format(self) -> StorageFormat | None:
+        """How values are stored as codes, or None when they are stored in ``dtype``."""
+        return self.pages.value_format
+
+    def key_pages(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key storage ``(num_blocks, block_size, num_kv_heads, head_dim)`` (a view)."""
+        return self.pages.key_pages(layer)
+
+    def value_pages(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s value storage, shaped like ``key_pages`` (a view)."""
+        return self.pages.value_pages(layer)
+
+    def keys(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key storage as ``(num_kv_heads, num_blocks, block_size, head_dim)`` (a view).
+
+        Head-major, over the same memory as ``key_pages`` (``PageStore.keys``).
+        """
+        return self.pages.keys(layer)
+
+    def values(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s value storage, shaped like ``keys`` (a view)."""
+        return self.pages.values(layer)
+
+    def key_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s key scales, head-major (``PageStore.key_scales``; ConfigError if unquantized)."""
+        return self.pages.key_scales(layer)
+
+    def value_scales(self, layer: int = 0) -> npt.NDArray[np.floating]:
+        """Layer ``layer``'s value scales, shaped like ``key_scales``."""
+        return self.pages.value_scales(layer)
+
+    def gather(
+        self, layer: int, plan: ReadPlan
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """The keys and values ``plan`` reads, as ``(num_kv_heads, plan.num_tokens, head_dim)``.
+
+        A view for a run of blocks, this thread's scratch otherwise (``PageStore.gather``).
+        """
+        return self.pages.gather(layer, plan)
+
+    def gather_tokens(
+        self, layer: int, plan: ReadPlan
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+        """The keys and values ``plan`` reads, token-major (``PageStore.gather_tokens``)."""
+        return self.pages.gather_tokens(layer, plan)
+
+    def gather_quantized(self, layer: int, plan: ReadPlan) -> tuple[Tokens, Tokens]:
+        """The keys and values ``plan`` reads, as stored (``PageStore.gather_quantized``)."""
+        return self.pages.gather_quantized(layer, plan)
+
 
     @property
     def view_stats(self) -> ViewStats:
@@ -234,14 +324,14 @@ class KVPool(PageStore):
             layer = check_layer(layer, self.num_layers)
         views = self._views
         if views is None:
-            return self.gather_tokens(layer, table.read_plan(ranges))
+            return self.pages.gather_tokens(layer, table.read_plan(ranges))
         if len(ranges) == 1 and table.num_window_blocks:
             start, end = ranges[0]
             if start < end:
                 viewed = views.read(table, layer, start, end)  # counts itself when it serves the read
                 if viewed is not None:
                     return viewed
-        gathered = self.gather_tokens(layer, table.read_plan(ranges))
+        gathered = self.pages.gather_tokens(layer, table.read_plan(ranges))
         views.count_gather_reads(1)
         return gathered
 
@@ -253,7 +343,7 @@ class KVPool(PageStore):
         For a read of several tables at once (a padded decode batch: one read
         per table), so that every read is counted once as in :meth:`read`.
         """
-        gathered = self.gather_tokens(layer, plan)
+        gathered = self.pages.gather_tokens(layer, plan)
         if self._views is not None:
             self._views.count_gather_reads(num_reads)
         return gathered
@@ -269,6 +359,51 @@ class KVPool(PageStore):
 
     # --------------------------------------------------------------- commands
 
+    def write(
+        self,
+        layer: int,
+        slots: npt.NDArray[np.intp],
+        keys: npt.NDArray[np.floating],
+        values: npt.NDArray[np.floating],
+    ) -> None:
+        """Store ``keys``/``values`` ``(n, num_kv_heads, head_dim)`` at ``n`` slots (``PageStore.write``)."""
+        self.pages.write(layer, slots, keys, values)
+
+    def write_run(
+        self,
+        layer: int,
+        block_ids: list[int],
+        offset: int,
+        keys: npt.NDArray[np.floating],
+        values: npt.NDArray[np.floating],
+    ) -> None:
+        """Store a prefill's ``keys``/``values`` by whole blocks (``PageStore.write_run``; float pages)."""
+        self.pages.write_run(layer, block_ids, offset, keys, values)
+
+    def write_one(
+        self,
+        layer: int,
+        block_id: int,
+        offset: int,
+        key: npt.NDArray[np.floating],
+        value: npt.NDArray[np.floating],
+    ) -> None:
+        """Store one token's ``key``/``value`` ``(num_kv_heads, head_dim)`` (``PageStore.write_one``)."""
+        self.pages.write_one(layer, block_id, offset, key, value)
+
+    def copy_blocks(self, sources: list[int], destinations: list[int]) -> None:
+        """Copy every layer's contents of ``sources`` into ``destinations``."""
+        self.pages.copy_blocks(sources, destinations)
+
+    def copy_block_scales(
+        self, sources: list[int], destinations: list[int], target: KVPool | None = None
+    ) -> None:
+        """Copy the scales of ``sources`` into ``destinations`` of ``target`` (default: this pool).
+
+        Does nothing when neither side has scales (``PageStore.copy_block_scales``).
+        """
+        self.pages.copy_block_scales(sources, destinations, None if target is None else target.pages)
+
     def grow(self, num_new_blocks: int) -> None:
         """Add ``num_new_blocks`` blocks (ids after the existing ones stay valid).
 
@@ -281,15 +416,14 @@ class KVPool(PageStore):
             raise ConfigError(f"this pool has a fixed size of {self.num_blocks} blocks; it never grows")
         num_new_blocks = check_count("num_new_blocks", num_new_blocks)
         total = self.num_blocks + num_new_blocks
-        try:  # every new array first, so a failure changes nothing
-            bigger = self._grown_pages(total)
+        try:  # the pages first: their growth changes nothing when it fails
+            self.pages.grow(total)
         except (MemoryError, ValueError, OverflowError):
             wanted = total * (self.bytes_per_block + BOOKKEEPING_BYTES_PER_BLOCK)
             raise PoolTooLargeError(
                 f"growing the pool to {total:,} blocks wants {wanted:,} bytes", wanted
             ) from None
         self.allocator.grow(num_new_blocks)
-        self._adopt_pages(bigger)
 
     def attach(self, holder: BlockHolder) -> None:
         """Register a :class:`BlockHolder` so ``check_invariants`` counts its blocks.
@@ -318,7 +452,7 @@ class KVPool(PageStore):
         num_held = len(block_ids)
         if self.num_blocks < 2 * num_held + 1:
             self.grow(2 * num_held + 1 - self.num_blocks)
-        self._move_pages(block_ids)
+        self.pages.move_to_front(block_ids)
         self.allocator = BlockAllocator(self.num_blocks)
         return self.allocator.allocate(num_held)
 
@@ -342,7 +476,7 @@ class KVPool(PageStore):
                 raise AssertionError(
                     f"block {block_id} has ref count {ref_count} but {count} block tables hold it"
                 )
-        self._check_pages(self.num_blocks)
+        self.pages.check_invariants(self.num_blocks)
         if (self.view_mode == "views") != (self._views is not None):
             raise AssertionError(f"view_mode {self.view_mode!r} but views {self._views is not None}")
         if self._views is not None:

@@ -1,48 +1,12 @@
-"""Quantized pages: keys and values stored in 8 or 16 bits, widened inside attention.
+"""Quantized pages' storage formats: keys and values in 8 or 16 bits, with their scales.
 
-A pool may store keys and values (separately, as llama.cpp allows) as
-
-* ``"int8"``: symmetric, ``x ≈ code * scale`` with ``code`` in ``-127 .. 127``;
-* ``"float8_e4m3"``: ``x ≈ fp8(x / scale) * scale`` in ml_dtypes'
-  ``float8_e4m3fn`` (finite, max 448: the format NVIDIA, vLLM and FlashInfer
-  use), behind the ``fp8`` extra;
-* ``"float16"`` / ``"bfloat16"``: the nearest numpy ``float16`` / ml_dtypes
-  ``bfloat16`` (the ``fp8`` extra), no scales: how models ship their weights
-  and caches. Widening back to float32 is exact, so only the storing rounds.
-
-The compute dtype (``KVPool(dtype=...)``, float32 or float64) stays what
-attention computes in, whichever storage dtype is chosen.
-
-For int8 and fp8, one scale per **group of** ``GROUP_SIZE`` **consecutive head_dim values** of
-each token and head, ``scale = max|x| / max_code`` over the group, stored in
-the compute dtype (float32 or float64)::
-
-    one token, one head, head_dim 128:   | g0: 32 values | g1 | g2 | g3 |
-    codes  (head_dim,)      int8 or fp8, 1 byte each
-    scales (head_dim / 32,) compute dtype, one per group
-
-NOTE: per group, not one scale per token per head: measured (8 heads × 128,
-4096 tokens, ``benchmarks/bench_quant_snapshot.py``) on keys with 4 channels
-100× larger, as real keys have, groups of 32 cut the median attend output
-error from 18% to 12% for int8 and from 11% to 3.9% for fp8, and on Gaussian
-data from 0.92% to 0.76% (int8), for 0.094 more bytes per value (1.125
-instead of 1.031). A group's largest value is stored exactly, so an outlier
-channel spoils only its own group's step. A scale in the compute dtype covers
-every finite input; a float16 scale, as llama.cpp's q8_0 stores, would
-overflow past 65504.
-
-Attention never dequantizes the cache: :func:`attend_chunked` dequantizes the
-window ``CHUNK_TOKENS`` tokens at a time, counted from the window's first
-token, so chunk boundaries depend only on logical positions. The paged cache
-and the no-cache recompute run this same kernel on the same codes and are
-equal bit for bit.
-
->>> storage = storage_format("int8", head_dim=4)
->>> codes, scales = storage.quantize(np.array([[1.0, -2.0, 0.5, 4.0]]))
->>> codes.tolist(), scales.tolist()
-([[32, -64, 16, 127]], [[0.031496062992125984]])
->>> storage.dequantize(codes, scales, np.dtype(np.float64)).round(3).tolist()
-[[1.008, -2.016, 0.504, 4.0]]
+``"int8"`` (symmetric, a scale per group of ``GROUP_SIZE`` values), ``"float8_e4m3"`` (ml_dtypes'
+``float8_e4m3fn``, as vLLM and FlashInfer store fp8), and ``"float16"`` / ``"bfloat16"`` (no
+scales), each chosen separately for keys and values. :class:`StorageFormat` quantizes and
+dequantizes, :class:`QuantizedTokens` is a window's codes and scales as read, and the size rule
+(:func:`head_bytes`) sizes pools. Attention over them is :func:`pagedkv.attention.attend_chunked`.
+vLLM: ``kv_cache_dtype="fp8"``; llama.cpp: ``q8_0``. Formats, measured error and the chosen
+group size: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -53,19 +17,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.attention import softmax_rows
 from pagedkv.errors import ConfigError, InputTypeError
 
 __all__ = [
-    "CHUNK_TOKENS",
     "GROUP_SIZE",
     "SCALE_FREE_DTYPES",
     "STORAGE_DTYPES",
     "QuantizedTokens",
     "StorageFormat",
     "Tokens",
-    "attend_chunked",
-    "attend_chunked_masked",
     "bytes_per_token",
     "check_storage_dtype",
     "storage_format",
@@ -80,9 +40,6 @@ SCALE_FREE_DTYPES = ("float16", "bfloat16")
 
 #: Values of head_dim sharing one scale (or the largest divisor of head_dim below it).
 GROUP_SIZE = 32
-
-#: Tokens dequantized at a time by attention (see benchmarks/bench_quant_snapshot.py).
-CHUNK_TOKENS = 1024
 
 _MAX_CODE = {"int8": 127.0, "float8_e4m3": 448.0, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
@@ -177,6 +134,19 @@ class StorageFormat:
         self, x: npt.NDArray[np.floating]
     ) -> tuple[npt.NDArray[Any], npt.NDArray[np.floating]]:
         """Codes and scales of ``x`` ``(..., head_dim)``, scales in ``x``'s dtype.
+
+        One scale per group of ``group_size`` values, ``max|x| / max_code``::
+
+            one token, one head, head_dim 128:   | g0: 32 values | g1 | g2 | g3 |
+            codes  (head_dim,)      int8 or fp8, 1 byte each
+            scales (head_dim / 32,) compute dtype, one per group
+
+        >>> storage = storage_format("int8", head_dim=4)
+        >>> codes, scales = storage.quantize(np.array([[1.0, -2.0, 0.5, 4.0]]))
+        >>> codes.tolist(), scales.tolist()
+        ([[32, -64, 16, 127]], [[0.031496062992125984]])
+        >>> storage.dequantize(codes, scales, np.dtype(np.float64)).round(3).tolist()
+        [[1.008, -2.016, 0.504, 4.0]]
 
         Returns:
             ``(codes (..., head_dim), scales (..., num_groups))``, new arrays.
@@ -338,117 +308,3 @@ class QuantizedTokens:
 
 #: Keys or values as attention reads them: floats, or codes and scales.
 Tokens = npt.NDArray[np.floating] | QuantizedTokens
-
-
-def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
-    if isinstance(tokens, QuantizedTokens):
-        return tokens.dequantize(start, end, dtype)
-    return tokens[:, start:end]
-
-
-def _chunks(num_tokens: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each chunk, counted from the window's first token::
-
-    CHUNK_TOKENS 4, 10 tokens:  |0 1 2 3|4 5 6 7|8 9|
-    """
-    return [(start, min(num_tokens, start + CHUNK_TOKENS)) for start in range(0, num_tokens, CHUNK_TOKENS)]
-
-
-def _weighted_values(
-    weights: npt.NDArray[np.floating], values: Tokens, dtype: np.dtype[Any]
-) -> npt.NDArray[np.floating]:
-    """``weights (num_kv_heads, rows, num_tokens) @ values``, chunk by chunk, in chunk order."""
-    out: npt.NDArray[np.floating] | None = None
-    for start, end in _chunks(values.shape[1]):
-        part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
-        if out is None:
-            out = part
-        else:
-            out += part
-    assert out is not None
-    return out
-
-
-def _scores(
-    grouped: npt.NDArray[np.floating], keys: Tokens, dtype: np.dtype[Any]
-) -> npt.NDArray[np.floating]:
-    """``grouped (num_kv_heads, rows, head_dim) @ keys^T``, chunk by chunk."""
-    num_kv_heads, num_tokens, _ = keys.shape
-    scores = np.empty((num_kv_heads, grouped.shape[1], num_tokens), dtype)
-    query_t = grouped.transpose(0, 2, 1)
-    for start, end in _chunks(num_tokens):
-        # NOTE: keys @ query^T rather than query @ keys^T: with several rows
-        # (grouped-query heads, prefill) numpy falls back from BLAS for the
-        # transposed right operand; this form stays on BLAS (measured 3x).
-        part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
-        scores[:, :, start:end] = part.transpose(0, 2, 1)
-    return scores
-
-
-def attend_chunked(
-    query: npt.NDArray[np.floating],
-    keys: Tokens,
-    values: Tokens,
-    scale: float,
-    dtype: np.dtype[Any],
-) -> npt.NDArray[np.floating]:
-    """``softmax(scale * K q) . V`` over float or quantized keys/values, chunk by chunk.
-
-    The quantized counterpart of :func:`pagedkv.attention.attend_dense`, same
-    grouped-query rule. Each chunk of ``CHUNK_TOKENS`` tokens is dequantized
-    just before its matmul; nothing holds the whole window as floats.
-
-    Args:
-        query: ``(num_q_heads, head_dim)`` of ``dtype``.
-        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
-        values: the same for values.
-        scale: multiplies every score.
-        dtype: the compute dtype.
-
-    Returns:
-        A new ``(num_q_heads, head_dim)`` array.
-    """
-    num_kv_heads, _, head_dim = keys.shape
-    grouped = query.reshape(num_kv_heads, -1, head_dim)
-    scores = _scores(grouped, keys, dtype)  # (num_kv_heads, group, num_tokens)
-    scores = softmax_rows(scores, scale)
-    out = _weighted_values(scores, values, dtype)  # (num_kv_heads, group, head_dim)
-    result: npt.NDArray[np.floating] = out.reshape(query.shape)
-    return result
-
-
-def attend_chunked_masked(
-    queries: npt.NDArray[np.floating],
-    keys: Tokens,
-    values: Tokens,
-    visible: npt.NDArray[np.bool_],
-    scale: float,
-    dtype: np.dtype[Any],
-) -> npt.NDArray[np.floating]:
-    """Many query tokens, each over the keys its row of ``visible`` allows (chunked prefill).
-
-    The quantized counterpart of :func:`pagedkv.attention.attend_dense_masked`.
-
-    Args:
-        queries: ``(num_queries, num_q_heads, head_dim)``.
-        keys: ``(num_kv_heads, num_tokens, head_dim)`` floats or :class:`QuantizedTokens`.
-        values: the same for values.
-        visible: ``(num_queries, num_tokens)``; every row sees at least one key.
-        scale: multiplies every score.
-        dtype: the compute dtype.
-
-    Returns:
-        A new ``(num_queries, num_q_heads, head_dim)`` array.
-    """
-    num_queries, num_q_heads, head_dim = queries.shape
-    num_kv_heads, num_tokens, _ = keys.shape
-    group = num_q_heads // num_kv_heads
-    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
-    scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
-    scores = softmax_rows(scores, scale, visible[None, :, None, :])
-    weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
-    out = _weighted_values(weights, values, dtype)
-    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
-    return result

@@ -1,16 +1,8 @@
 """Sizing a pool: how many blocks a batch of requests needs, and how many bytes a block takes.
 
-A sequence of ``L`` tokens with no window holds ``ceil(L / block_size)``
-blocks at its end. With a window ``W`` it frees what slides out, but each
-reservation keeps the blocks its *first* new token still attends to, so one
-reservation of ``c`` tokens holds the sink blocks plus the blocks spanning at
-most ``W - 1 + c`` tokens, at any alignment::
-
-    block_size 4, W = 5, decode (c = 1) at index 9:  window 5..9
-        | 0 1 2 3 | 4 5 6 7 | 8 9 . . |   blocks 1 and 2 held (at most ceil((W - 1)/4) + 1 = 2)
-
-The bound counts no sharing (forks and prefix hits hold fewer) and no
-copy-on-write (one transient block per shared, partly filled last block).
+:func:`blocks_needed` bounds the blocks sequences hold at once (windows and sinks included, no
+sharing counted: forks and prefix hits hold fewer); :func:`bytes_per_block` is a block's bytes.
+vLLM: ``kv_cache_utils`` (``get_kv_cache_config``); SGLang: ``profile_max_num_token``.
 """
 
 from __future__ import annotations
@@ -40,6 +32,18 @@ def blocks_needed(
     max_chunk: int | None = None,
 ) -> int:
     """Blocks that sequences of ``lengths`` tokens hold at most, all at once.
+
+    A sequence of ``L`` tokens with no window holds ``ceil(L / block_size)``
+    blocks at its end. With a window ``W`` it frees what slides out, but each
+    reservation keeps the blocks its *first* new token still attends to, so one
+    reservation of ``c`` tokens holds the sink blocks plus the blocks spanning at
+    most ``W - 1 + c`` tokens, at any alignment::
+
+        block_size 4, W = 5, decode (c = 1) at index 9:  window 5..9
+            | 0 1 2 3 | 4 5 6 7 | 8 9 . . |   blocks 1 and 2 held (at most ceil((W - 1)/4) + 1 = 2)
+
+    The bound counts no sharing (forks and prefix hits hold fewer) and no
+    copy-on-write (one transient block per shared, partly filled last block).
 
     Args:
         lengths: each sequence's final length (prompt and output).

@@ -1,29 +1,12 @@
 """Page views: a block table's blocks mapped side by side, so one array reads them all.
 
-vAttention's idea on a CPU: instead of gathering a table's blocks into
-scratch on every read, each (table, layer, K/V) gets an address range
-(:class:`~pagedkv.memory.vmem.Reservation`) into which its window blocks are mapped
-in logical order. Attention then reads one contiguous
-``(num_tokens, num_kv_heads, head_dim)`` array, the same shape and strides a
-contiguous cache would give it, whatever the block ids.
-
-Mapping is lazy and incremental: every read first *syncs* the range with
-the table as it is now, mapping only the blocks that changed (a new block, a
-copy-on-write replacement) and zeroing the positions whose blocks left
-(eviction, truncation). Position ``p`` of a range shows logical block
-``base + p``; when the table's blocks run past the range's end, the range is
-a ring: ``base`` moves to the first held block and the held blocks are mapped
-again from position 0 (amortised: the range holds twice the blocks)::
-
-    block_size 4, capacity 4 positions, table holds logical blocks 5, 6:
-        before:  base 3 | (zero) (zero) b5 b6 |   appending block 7 runs out
-        after:   base 5 | b5     b6     b7 (zero) |
-
-Because every read syncs first, no read through this module ever sees a
-block the table no longer holds: a freed, evicted or restored table can only
-read what it holds now. Released views are zeroed before they are dropped, so
-an array that outlives its view reads zeros, never another sequence's data,
-and never faults (see :mod:`pagedkv.memory.vmem`).
+vAttention's idea on a CPU: each (table, layer, K/V) gets an address range
+(:class:`~pagedkv.memory.vmem.Reservation`) into which its window blocks are mapped in logical
+order, so attention reads one contiguous ``(num_tokens, num_kv_heads, head_dim)`` array whatever
+the block ids. Every read first syncs the range with the table (remapping what changed, zeroing
+what left, moving the ring's base), so no read sees a block the table no longer holds; released
+views read zeros. vLLM and SGLang gather instead; vAttention is the counterpart. The ring, the
+sync and the safety rules: docs/paging.md ("How a view is mapped", "Safety rules").
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Virtual memory primitives for page views: a shared page file, address ranges, a map budget.
 
-The pool's float pages can live in one shared memory file (``os.memfd_create``,
-or an unlinked file under ``/dev/shm``). A *reservation* is an address range of
-this process, mapped read-only to zero pages; mapping a block there
-(``mmap(MAP_FIXED | MAP_SHARED)`` at the block's file offset) makes those
-addresses show the block's bytes, so any order of blocks reads as one
-contiguous array::
-
-    page file:    | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 | ...
-    reservation:  | blk 3 | blk 0 | blk 4 | zeros | zeros |     -> np.frombuffer: one array
-
-Safety rests on three rules, each enforced here:
-
-* a reservation is always mapped, whole, for as long as any array points into
-  it: it is a Python ``mmap`` object, which numpy arrays keep alive and which
-  alone unmaps the range, when the last reference goes;
-* ``MAP_FIXED`` replaces a mapping atomically, so a reader never meets a hole;
-* unmapping a block means mapping zeros over it, never leaving it mapped.
-
-Each mapping that does not merge with its neighbour is one kernel memory area,
-and a process may hold ``vm.max_map_count`` of them: :class:`MapBudget` counts
-the areas views may use, for every pool of the process together.
-
-Linux only: :func:`views_supported` says whether this process can map views.
+The float pages can live in one shared memory file (``memfd_create`` or ``/dev/shm``); a
+:class:`Reservation` is an address range mapped read-only to zeros, where mapping a block at its
+file offset (``MAP_FIXED | MAP_SHARED``) makes any order of blocks read as one array.
+:class:`MapBudget` counts the kernel memory areas (``vm.max_map_count``) and descriptors views
+may use, for every pool of the process. Linux only (:func:`views_supported`). vAttention's
+primitives; vLLM and SGLang have none (they gather). The three safety rules and a diagram:
+docs/paging.md ("How a view is mapped").
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.simulate.cluster import format_cluster, run_cluster
 from pagedkv.simulate.config import BudgetError, SimConfig
 from pagedkv.simulate.engine import PagedEngine
+from pagedkv.simulate.figures import tutorial_figures
 from pagedkv.simulate.kernel import KernelCost
 from pagedkv.simulate.options import (
     build_config,
@@ -38,7 +39,6 @@ from pagedkv.simulate.plots import (
     plot_occupancy,
     plot_page_map,
     pyplot,
-    tutorial_figures,
 )
 from pagedkv.simulate.plots_serving import serving_figures
 from pagedkv.simulate.plots_sweep import plot_sweep

@@ -9,16 +9,24 @@
   llm-d and Dynamo route), never by looking into a replica, traded
   against load.
 
-The prefix index does not know the manager's hash function. It names each
-stored block by its own chain key, ``key(block) = hash((key(parent),
-token_ids))``, learned from the event's ``parent_block_hash`` and
-``token_ids``, and computes the same chain over a new prompt (Python's
-hash of a tuple of ints is fixed across runs; a 64-bit collision would
-only misroute, never change an output)::
+The prefix index does not know the manager's hash function, and needs
+none: block hashes chain already (a block's hash names its whole prefix).
+It files each stored block under its *edge*, ``(parent_block_hash,
+hash(token_ids))``, both taken from the event, and matches a prompt by
+walking from the start, each step from the hash the last one found (Python's
+hash of a tuple of ints is fixed across runs; a 64-bit collision would only
+misroute, never change an output)::
 
-    prompt blocks     [b0][b1][b2][b3]
-    replica 0 holds    k0  k1                 -> 2 blocks
-    replica 1 holds    k0  k1  k2             -> 3 blocks: route to replica 1
+    prompt blocks      [b0]           [b1]          [b2]
+    walk               (None, t0)     (h0, t1)      (h1, t2)
+    replica 0 holds    -> h0          -> h1         (none)      -> 2 blocks
+    orphan h9, filed under (h5, t0): the walk reaches it only through h5
+
+NOTE: a block whose parent the router does not hold (the parent was evicted
+first, or a resync replays a chain whose head is gone) stays filed under its
+parent's hash, so it never passes for a prompt's first block, and it becomes
+reachable exactly when a block with that hash is stored again; nothing is
+re-keyed.
 
 >>> router = RoundRobin()
 >>> [router.choose([], [0, 0, 0]) for _ in range(4)]
@@ -29,13 +37,16 @@ only misroute, never change an output)::
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from pagedkv.errors import ConfigError
 from pagedkv.prefix.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["ROUTERS", "LeastLoaded", "PrefixAware", "RoundRobin", "Router", "make_router"]
+
+#: Where a stored block is filed: its parent's hash (None at a sequence's start), its tokens' hash.
+Edge = tuple[bytes | None, int]
 
 
 class Router:
@@ -94,9 +105,11 @@ class PrefixAware(Router):
             cached it.
 
     Invariants (``check_invariants``):
-        * ``_keys[r]`` maps exactly the block hashes replica ``r`` reported
-          stored and not yet removed to their chain keys;
-        * ``_held[r][key]`` counts the block hashes mapped to ``key``.
+        * ``_edges[r]`` maps exactly the block hashes replica ``r`` reported
+          stored and not yet removed, each to its edge ``(parent hash, hash
+          of its token ids)`` as its last ``BlockStored`` gave them;
+        * ``_children[r][edge]`` is the set of those hashes whose edge is
+          ``edge``, never empty.
     """
 
     name = "prefix-aware"
@@ -105,14 +118,14 @@ class PrefixAware(Router):
     def __init__(self, block_size: int, *, load_weight: float = 2.0) -> None:
         self.block_size = block_size
         self.load_weight = load_weight
-        self._keys: list[dict[bytes, Hashable]] = []
-        self._held: list[dict[Hashable, int]] = []
+        self._edges: list[dict[bytes, Edge]] = []
+        self._children: list[dict[Edge, set[bytes]]] = []
 
-    def _replica(self, replica: int) -> tuple[dict[bytes, Hashable], dict[Hashable, int]]:
-        while len(self._keys) <= replica:
-            self._keys.append({})
-            self._held.append({})
-        return self._keys[replica], self._held[replica]
+    def _replica(self, replica: int) -> tuple[dict[bytes, Edge], dict[Edge, set[bytes]]]:
+        while len(self._edges) <= replica:
+            self._edges.append({})
+            self._children.append({})
+        return self._edges[replica], self._children[replica]
 
     def observe(self, replica: int, events: Sequence[Any]) -> None:
         """Index ``BlockStored``, drop ``BlockRemoved``, forget all on ``AllBlocksCleared``.
@@ -126,64 +139,75 @@ class PrefixAware(Router):
                 raise ConfigError(
                     f"replica {replica} stores blocks of {event.block_size} tokens, the router expects {bs}"
                 )
-        keys, held = self._replica(replica)
+        edges, children = self._replica(replica)
         for event in events:
             if isinstance(event, BlockStored):
-                parent: Hashable = None
-                if event.parent_block_hash is not None:
-                    parent = keys.get(event.parent_block_hash)
-                tokens = event.token_ids
+                parent, tokens = event.parent_block_hash, event.token_ids
                 for index, block_hash in enumerate(event.block_hashes):
-                    key: Hashable = hash((parent, tuple(tokens[index * bs : (index + 1) * bs])))
-                    keys[block_hash] = key
-                    held[key] = held.get(key, 0) + 1
-                    parent = key
+                    _forget(edges, children, block_hash)  # stored again: its last event wins
+                    edge = (parent, hash(tuple(tokens[index * bs : (index + 1) * bs])))
+                    edges[block_hash] = edge
+                    children.setdefault(edge, set()).add(block_hash)
+                    parent = block_hash
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
-                    key = keys.pop(block_hash, None)
-                    if key is not None:
-                        held[key] -= 1
-                        if not held[key]:
-                            del held[key]
+                    _forget(edges, children, block_hash)
             elif isinstance(event, AllBlocksCleared):
-                keys.clear()
-                held.clear()
+                edges.clear()
+                children.clear()
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if a replica's key counts disagree with its stored blocks."""
-        for replica, (keys, held) in enumerate(zip(self._keys, self._held)):
-            counts: dict[Hashable, int] = {}
-            for key in keys.values():
-                counts[key] = counts.get(key, 0) + 1
-            if counts != held:
-                raise AssertionError(f"replica {replica}'s block counts disagree with its stored blocks")
+        """Raise ``AssertionError`` if a replica's edges and children disagree."""
+        for replica, (edges, children) in enumerate(zip(self._edges, self._children)):
+            filed: dict[Edge, set[bytes]] = {}
+            for block_hash, edge in edges.items():
+                filed.setdefault(edge, set()).add(block_hash)
+            if filed != children:
+                raise AssertionError(f"replica {replica}'s children disagree with its stored blocks")
 
-    def chain(self, prompt: Sequence[int]) -> list[Hashable]:
-        """The router's key of each full block of ``prompt``, chained as ``observe`` keys them."""
+    def chain(self, prompt: Sequence[int]) -> list[int]:
+        """The hash of each full block's token ids of ``prompt``, as ``observe`` files them."""
         bs = self.block_size
-        keys: list[Hashable] = []
-        parent: Hashable = None
-        for start in range(0, len(prompt) - bs + 1, bs):
-            parent = hash((parent, tuple(prompt[start : start + bs])))
-            keys.append(parent)
-        return keys
+        return [hash(tuple(prompt[start : start + bs])) for start in range(0, len(prompt) - bs + 1, bs)]
 
-    def num_cached_blocks(
-        self, replica: int, prompt: Sequence[int], chain: list[Hashable] | None = None
-    ) -> int:
-        """Leading full blocks of ``prompt`` that ``replica`` reported cached (``chain``: their keys)."""
-        _, held = self._replica(replica)
-        keys = self.chain(prompt) if chain is None else chain
-        return next((count for count, key in enumerate(keys) if key not in held), len(keys))
+    def num_cached_blocks(self, replica: int, prompt: Sequence[int], chain: list[int] | None = None) -> int:
+        """Leading full blocks of ``prompt`` that ``replica`` reported cached (``chain``: ``chain(prompt)``).
+
+        The walk keeps every hash its step found: blocks of the same tokens
+        under the same parent may differ in extra keys (an adapter), which
+        the router does not see.
+        """
+        _, children = self._replica(replica)
+        tokens_hashes = self.chain(prompt) if chain is None else chain
+        found: Collection[bytes | None] = (None,)
+        for count, tokens_hash in enumerate(tokens_hashes):
+            if len(found) == 1:  # the common step: one block found, looked up without a new set
+                found = children.get((next(iter(found)), tokens_hash), ())
+            else:
+                found = {child for parent in found for child in children.get((parent, tokens_hash), ())}
+            if not found:
+                return count
+        return len(tokens_hashes)
 
     def choose(self, prompt: Sequence[int], loads: Sequence[int]) -> int:
         """The replica with the best cached blocks less weighted load (ties: less loaded, lower index).
 
-        The prompt's chain is computed once and looked up in every replica's index.
+        The prompt's chain is computed once and walked in every replica's index.
         """
         weight, chain = self.load_weight, self.chain(prompt)
         scores = [self.num_cached_blocks(r, prompt, chain) - weight * loads[r] for r in range(len(loads))]
         return max(range(len(loads)), key=lambda r: (scores[r], -loads[r], -r))
+
+
+def _forget(edges: dict[bytes, Edge], children: dict[Edge, set[bytes]], block_hash: bytes) -> None:
+    """Drop ``block_hash`` from one replica's index, if it is there."""
+    edge = edges.pop(block_hash, None)
+    if edge is None:
+        return
+    siblings = children[edge]
+    siblings.discard(block_hash)
+    if not siblings:
+        del children[edge]
 
 
 #: Router names for the command line.

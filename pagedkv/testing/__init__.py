@@ -32,8 +32,8 @@ from pagedkv.testing.contract import CheckedCache, ContractError, error_bounds
 from pagedkv.testing.oracle import OracleCache, attend, tolerance, within_tolerance
 
 if TYPE_CHECKING:
-    from pagedkv.testing.machine import CacheMachine, make_cache_machine
-    from pagedkv.testing.stateful import check_cache, run_cache_machine
+    from pagedkv.testing.machine import CacheMachine
+    from pagedkv.testing.stateful import check_cache, make_cache_machine, run_cache_machine
     from pagedkv.testing.strategies import Config, Shape
     from pagedkv.testing.verdict import Verdict
 
@@ -59,7 +59,7 @@ __all__ = [
 # (verdict needs no Hypothesis, but a Verdict only ever comes from a run.)
 _LAZY = {
     "CacheMachine": "machine",
-    "make_cache_machine": "machine",
+    "make_cache_machine": "stateful",
     "check_cache": "stateful",
     "run_cache_machine": "stateful",
     "Config": "strategies",

@@ -21,21 +21,18 @@ windows wrap all the time); then it interleaves
   (caches must not share state).
 
 At the end of each example every cache's ``close()`` is called, if it has one.
-Running a machine and judging the run is :mod:`~pagedkv.testing.stateful`'s job.
-
->>> from pagedkv.testing.buggy import SeedCache
->>> machine = make_cache_machine(SeedCache)
->>> machine.options.label
-'pagedkv.testing.buggy:SeedCache'
+Building a machine class for a factory (``make_cache_machine``), running it
+and judging the run are :mod:`~pagedkv.testing.stateful`'s job.
 """
 
 from __future__ import annotations
 
 import math
+import unittest
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 try:
     from hypothesis import note
@@ -47,7 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
     ) from error
 
 from pagedkv.testing.contract import CheckedCache, ContractError, Precision, precision_eps
-from pagedkv.testing.factory_code import FactoryCode, name_factory
+from pagedkv.testing.factory_code import FactoryCode
 from pagedkv.testing.program import (
     AttendStep,
     CloseStep,
@@ -60,8 +57,6 @@ from pagedkv.testing.program import (
     replay,
 )
 from pagedkv.testing.strategies import Config, Shape, configs, tokens
-from pagedkv.testing.strategies import max_sizes as default_max_sizes
-from pagedkv.testing.strategies import shapes as default_shapes
 
 __all__ = [
     "CacheMachine",
@@ -69,7 +64,6 @@ __all__ = [
     "MachineOptions",
     "MachineRun",
     "RunStats",
-    "make_cache_machine",
 ]
 
 
@@ -186,16 +180,6 @@ class MachineRun:
     failure: Failure | None = None
 
 
-class _KitTestCase:
-    """``Machine.TestCase``, built by :func:`~pagedkv.testing.stateful.machine_test_case`."""
-
-    def __get__(self, instance: object, owner: type[CacheMachine]) -> Any:
-        # NOTE: imported here because stateful imports this module.
-        from pagedkv.testing.stateful import machine_test_case
-
-        return machine_test_case(owner)
-
-
 class CacheMachine(RuleBasedStateMachine):
     """One example's state: the caches under test, each beside its oracle, and the steps so far.
 
@@ -217,8 +201,9 @@ class CacheMachine(RuleBasedStateMachine):
     #: The frozen options of a class from :func:`make_cache_machine`; an instance may be given others.
     options: MachineOptions
     #: A ``unittest.TestCase`` that runs the machine as ``pagedkv check`` does: the
-    #: kit's shrinker, and the verdict's report as the failure (not Hypothesis's).
-    TestCase = _KitTestCase()
+    #: kit's shrinker, and the verdict's report as the failure (not Hypothesis's);
+    #: set by :func:`~pagedkv.testing.stateful.make_cache_machine`.
+    TestCase: type[unittest.TestCase]
 
     def __init__(self, options: MachineOptions | None = None, run: MachineRun | None = None) -> None:
         super().__init__()
@@ -330,67 +315,3 @@ class CacheMachine(RuleBasedStateMachine):
                     program = self.options.render(self.steps, None)
                     add_note("The failing run as a program:\n" + program)
             raise
-
-
-def make_cache_machine(
-    factory: Callable[..., Any],
-    *,
-    feed: Feed = "lists",
-    shapes: st.SearchStrategy[Shape] | None = None,
-    max_sizes: st.SearchStrategy[int | None] | None = None,
-    scale: float = 1.0,
-    precision: Precision = "float64",
-    max_caches: int = 2,
-    close: bool = True,
-    factory_code: FactoryCode | str | None = None,
-    name: str | None = None,
-) -> type[CacheMachine]:
-    """A state machine that checks the caches ``factory`` builds against the seed contract.
-
-    Args:
-        factory: called as ``factory(max_size=None)`` or ``factory(max_size=W)``;
-            returns an object with ``attend(q, k, v)`` (and optionally
-            ``__len__``, ``check_invariants()``, ``close()``).
-        feed: ``"lists"`` passes nested Python lists of floats (the seed);
-            ``"arrays"`` passes numpy arrays of ``precision``'s dtype.
-        shapes: token shapes to draw (:func:`~pagedkv.testing.strategies.shapes`);
-            default one head, head_dim 1..4, the seed's vectors.
-        max_sizes: windows to draw; default ``None`` or 1..6.
-        scale: the factor the caches multiply scores by.
-        precision: the float type the caches compute in; sets the tolerance
-            and the largest magnitudes drawn.
-        max_caches: how many caches one example may open (2: caches must not
-            share state).
-        close: call each cache's ``close()`` at the end of an example.
-        factory_code: how reproducers import the factory: a
-            :class:`~pagedkv.testing.factory_code.FactoryCode` or ``"module:name"``;
-            default found from the factory itself (not for lambdas).
-        name: the class's name.
-
-    Returns:
-        A :class:`CacheMachine` subclass whose ``options`` hold these arguments
-        (frozen): run it with :func:`~pagedkv.testing.stateful.run_cache_machine`,
-        or collect ``Machine.TestCase`` in a test module.
-
-    Raises:
-        ValueError: an option out of range.
-        TypeError: ``factory`` is not callable.
-    """
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    code, label = name_factory(factory, factory_code)
-    options = MachineOptions(
-        factory=factory,
-        shapes=shapes if shapes is not None else default_shapes(layouts=("one-head",)),
-        max_sizes=max_sizes if max_sizes is not None else default_max_sizes(),
-        feed=feed,
-        scale=float(scale),
-        precision=precision,
-        max_caches=max_caches,
-        close=close,
-        factory_code=code,
-        label=label,
-    )
-    class_name = name or "CacheMachine"
-    namespace = {"options": options, "__qualname__": class_name, "__module__": __name__}
-    return cast("type[CacheMachine]", type(class_name, (CacheMachine,), namespace))

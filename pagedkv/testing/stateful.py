@@ -1,6 +1,6 @@
 """Run the conformance state machine and judge the run: a :class:`Verdict`, never an exception.
 
-:func:`~pagedkv.testing.machine.make_cache_machine` builds a Hypothesis
+:func:`make_cache_machine` builds a Hypothesis
 ``RuleBasedStateMachine`` around a *factory*, any callable that
 ``factory(max_size=None)`` or ``factory(max_size=W)`` turns into an object with
 the seed's ``attend(q, k, v)`` (see :mod:`~pagedkv.testing.machine`).
@@ -32,22 +32,26 @@ from typing import Any, cast
 try:
     import hypothesis
     from hypothesis import HealthCheck, Phase, Verbosity
+    from hypothesis import strategies as st
     from hypothesis.errors import Flaky
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         f'{__name__} needs Hypothesis; install the test extra: pip install "pagedkv[test]"'
     ) from error
 
-from pagedkv.testing.contract import ContractError
+from pagedkv.testing.contract import ContractError, Precision
+from pagedkv.testing.factory_code import FactoryCode, name_factory
 from pagedkv.testing.machine import (
     CacheMachine,
     MachineOptions,
     MachineRun,
     RunStats,
-    make_cache_machine,
 )
 from pagedkv.testing.program import AttendStep, Feed, Step, replay_alone
 from pagedkv.testing.shrink import shrink_program
+from pagedkv.testing.strategies import Shape
+from pagedkv.testing.strategies import max_sizes as default_max_sizes
+from pagedkv.testing.strategies import shapes as default_shapes
 from pagedkv.testing.verdict import Verdict
 
 __all__ = [
@@ -373,3 +377,74 @@ def machine_test_case(machine: type[CacheMachine]) -> type[unittest.TestCase]:
     KitTestCase.__name__ = f"{machine.__name__}.TestCase"
     KitTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
     return KitTestCase
+
+
+def make_cache_machine(
+    factory: Callable[..., Any],
+    *,
+    feed: Feed = "lists",
+    shapes: st.SearchStrategy[Shape] | None = None,
+    max_sizes: st.SearchStrategy[int | None] | None = None,
+    scale: float = 1.0,
+    precision: Precision = "float64",
+    max_caches: int = 2,
+    close: bool = True,
+    factory_code: FactoryCode | str | None = None,
+    name: str | None = None,
+) -> type[CacheMachine]:
+    """A state machine that checks the caches ``factory`` builds against the seed contract.
+
+    Args:
+        factory: called as ``factory(max_size=None)`` or ``factory(max_size=W)``;
+            returns an object with ``attend(q, k, v)`` (and optionally
+            ``__len__``, ``check_invariants()``, ``close()``).
+        feed: ``"lists"`` passes nested Python lists of floats (the seed);
+            ``"arrays"`` passes numpy arrays of ``precision``'s dtype.
+        shapes: token shapes to draw (:func:`~pagedkv.testing.strategies.shapes`);
+            default one head, head_dim 1..4, the seed's vectors.
+        max_sizes: windows to draw; default ``None`` or 1..6.
+        scale: the factor the caches multiply scores by.
+        precision: the float type the caches compute in; sets the tolerance
+            and the largest magnitudes drawn.
+        max_caches: how many caches one example may open (2: caches must not
+            share state).
+        close: call each cache's ``close()`` at the end of an example.
+        factory_code: how reproducers import the factory: a
+            :class:`~pagedkv.testing.factory_code.FactoryCode` or ``"module:name"``;
+            default found from the factory itself (not for lambdas).
+        name: the class's name.
+
+    Returns:
+        A :class:`CacheMachine` subclass whose ``options`` hold these arguments
+        (frozen): run it with :func:`~pagedkv.testing.stateful.run_cache_machine`,
+        or collect ``Machine.TestCase`` in a test module.
+
+    Raises:
+        ValueError: an option out of range.
+        TypeError: ``factory`` is not callable.
+
+    >>> from pagedkv.testing.buggy import SeedCache
+    >>> machine = make_cache_machine(SeedCache)
+    >>> machine.options.label
+    'pagedkv.testing.buggy:SeedCache'
+    """
+    if not callable(factory):
+        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    code, label = name_factory(factory, factory_code)
+    options = MachineOptions(
+        factory=factory,
+        shapes=shapes if shapes is not None else default_shapes(layouts=("one-head",)),
+        max_sizes=max_sizes if max_sizes is not None else default_max_sizes(),
+        feed=feed,
+        scale=float(scale),
+        precision=precision,
+        max_caches=max_caches,
+        close=close,
+        factory_code=code,
+        label=label,
+    )
+    class_name = name or "CacheMachine"
+    namespace = {"options": options, "__qualname__": class_name, "__module__": CacheMachine.__module__}
+    machine = cast("type[CacheMachine]", type(class_name, (CacheMachine,), namespace))
+    machine.TestCase = machine_test_case(machine)
+    return machine

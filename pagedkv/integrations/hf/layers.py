@@ -8,26 +8,46 @@ view only forwards to its cache. Non-storing layers are transformers' own
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pagedkv.integrations.hf.extra import optional_class
+from pagedkv.integrations.hf.spec import ModelSpec
 from pagedkv.integrations.hf.tensors import Tensor
 
-if TYPE_CHECKING:
-    from pagedkv.integrations.hf.cache import PagedCache
+__all__ = ["LayerView", "LayeredCache"]
 
-__all__ = ["LayerView"]
+
+class LayeredCache(Protocol):
+    """What a :class:`LayerView` asks of its cache (``PagedCache`` has it).
+
+    NOTE: a protocol, not an import of ``PagedCache``: the cache builds its views,
+    so importing it here would close an import circle.
+    """
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
 _CacheLayerMixin: Any = optional_class("transformers.cache_utils", "CacheLayerMixin")
 
 
 class LayerView(_CacheLayerMixin):  # type: ignore[misc]
-    """One storing layer of a :class:`PagedCache` as transformers' per-layer API sees it."""
+    """One storing layer of a ``PagedCache`` as transformers' per-layer API sees it."""
 
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+    def __init__(self, cache: LayeredCache, layer_idx: int) -> None:
         self.keys = self.values = None
         self._cache = cache
         self.layer_idx = layer_idx
