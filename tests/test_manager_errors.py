@@ -418,8 +418,23 @@ def test_reserving_a_non_int_count_is_refused(count: Any) -> None:
 
 
 @pytest.mark.parametrize("requests", [{}, [], ()])
-def test_reserving_for_no_sequence_is_refused(requests: Any) -> None:
-    assert_refused(lambda w: w.m.reserve(requests), ConfigError, "at least one sequence")
+def test_reserving_for_no_sequence_is_an_empty_step(requests: Any) -> None:
+    # Not a misuse: can_reserve({}) is True. The empty batch goes through every
+    # layer with 0-token inputs; nothing changes, pending batch included.
+    world, twin = build(), build()
+    assert world.m.can_reserve(requests) is True
+    batch = world.m.reserve(requests)
+    assert (batch.num_seqs, batch.num_tokens, batch.slot_mapping.tolist()) == (0, 0, [])
+    for layer in range(L):
+        world.m.write(layer, batch, kv(0), kv(0))
+        assert world.m.attend(layer, batch, kv(0, HQ)).shape == (0, HQ, D)
+    assert manager_state(world.m) == manager_state(twin.m)
+    world.m.check_invariants()
+    outs, twin_outs = continue_world(world), continue_world(twin)
+    assert len(outs) == len(twin_outs) > 0
+    for a, b in zip(outs, twin_outs):
+        assert np.array_equal(a, b)
+    assert manager_state(world.m) == manager_state(twin.m)
 
 
 def test_reserving_malformed_requests_is_refused() -> None:

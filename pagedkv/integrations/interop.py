@@ -64,6 +64,9 @@ class PagedCSR:
 def flashinfer_csr(manager: KVCacheManager, seq_ids: Sequence[Hashable]) -> PagedCSR:
     """Export the block tables of ``seq_ids`` as FlashInfer's paged-KV CSR arrays.
 
+    No ids (the empty batch of ``reserve({})``) export as ``kv_indptr``
+    ``[0]`` and empty int32 arrays.
+
     Raises:
         UnknownSequenceError: an id is not known.
         SequenceStateError: a sequence is not running or holds no tokens.

@@ -875,7 +875,8 @@ class KVCacheManager:
         expected = (batch.num_tokens, self.num_q_heads, pool.head_dim)
         dtype = pool.dtype
         if not seqs:  # the empty step (reserve({})): no rows to attend
-            return np.empty(_check_no_tokens("queries", queries, dtype, expected).shape, dtype)
+            _check_no_tokens("queries", queries, dtype, expected)
+            return np.empty(expected, dtype)
         query_array, largest_query = check_tokens("queries", queries, dtype, expected, scan)
         if scan:
             check_score_bound_from_max(scale, query_array, largest_query, self._max_abs_key[layer], dtype)
@@ -886,31 +887,27 @@ class KVCacheManager:
         return attend_batch(pool, layer, tables, batch.query_start, window, query_array, scale, method)
 
 
-def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]) -> Any:
-    """The inputs of an empty step: ``value`` as an array of ``expected``, ``(0, num_heads, head_dim)``.
+def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]) -> None:
+    """Check the input of an empty step: of shape ``expected``, ``(0, num_heads, head_dim)``.
 
-    An array (or CPU tensor) of real numbers of exactly that shape passes, as
-    ``check_tokens`` takes it; it holds no value to scan. Anything else gets
-    ``check_tokens``' own error (a ShapeError for tokens the step has no slot for).
+    An array (or CPU tensor) of real numbers of exactly that shape passes: it
+    holds no value to scan (``check_tokens`` refuses every empty array).
+    Anything else gets ``check_tokens``' own error: a ShapeError for tokens
+    the empty step has no slot for.
 
     Raises:
         ShapeError, InputTypeError, NonFiniteError: as :func:`~pagedkv.inputs.check_tokens`.
 
-    >>> _check_no_tokens("q", np.empty((0, 2, 3)), np.dtype(np.float64), (0, 2, 3)).shape
-    (0, 2, 3)
+    >>> _check_no_tokens("q", np.empty((0, 2, 3)), np.dtype(np.float64), (0, 2, 3))
     """
     array = torch_array(name, value) if is_torch_tensor(value) else value
-    if (
-        array.__class__ is np.ndarray
-        and array.shape == expected
-        and array.dtype.kind in "fiu"
-    ):
-        return array
+    if array.__class__ is np.ndarray and array.shape == expected and array.dtype.kind in "fiu":
+        return
     if isinstance(array, np.ndarray) and array.size == 0 and array.ndim == 3 and array.shape != expected:
         raise ShapeError(
             f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
         )
-    return check_tokens(name, value, dtype, expected)[0]  # raises: a non-empty value has no slot here
+    check_tokens(name, value, dtype, expected)  # raises: no other value fits an empty step
 
 
 def _release_manager(
