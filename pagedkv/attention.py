@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.blocks.read_plan import ReadPlan
-from pagedkv.blocks.table import BlockTable
+from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import QuantizedTokens, Tokens
 

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.attention import attend_sequence
+from pagedkv.blocks.allocator import BlockAllocator
 from pagedkv.blocks.table import BlockTable, TableState
 from pagedkv.counts import check_count, check_max_size, window_blocks
 from pagedkv.errors import (
@@ -269,12 +270,16 @@ class KVCache:
             InputTypeError, ShapeError, NonFiniteError: bad ``q``, ``k`` or ``v``.
             PoolExhaustedError: a shared pool has no free block for the entry.
 
-        On any error the cache and its pool are as before the call. A view the
-        kernel refuses is no error (the read gathers, with the same output); if
-        the attention itself fails after the append, the append is undone
-        (the new block, if one was taken, goes back to the free queue's tail),
-        except after an append that evicted whole blocks: those may already
-        belong to another cache, so the cache keeps the append and re-raises.
+        On any error the cache and its pool are as before the call, and so is
+        every other cache on the pool. A view the kernel refuses is no error
+        (the read gathers, with the same output). If the attention itself
+        fails after the append, the append is taken back whole: evicted
+        blocks return to the table (their slots as they were), a block taken
+        goes back to the head of the free queue, and the allocator's queues
+        and ref counts are as before; only two things stay done: a private
+        pool that had to grow keeps its new (free) blocks, and a block taken
+        by evicting a prefix-cached block of a manager sharing the pool
+        comes back as a plain free block (its key is gone).
         """
         if self._closed:
             raise ClosedCacheError("this KVCache is closed; create a new one")
@@ -287,20 +292,20 @@ class KVCache:
         check_score_bound_from_max(self._scale, query, query_abs, bound, self._dtype)
 
         table = self._table
-        before = (table.num_tokens, table.window_start, table.first_block_index, table.num_blocks,
-                  self._kv_shape, self._max_abs_key)
+        before = (table.num_tokens, table.window_start, table.first_block_index, self._kv_shape,
+                  self._max_abs_key)
         if self._private or self._pool is None:
-            self._append(key, value, key_abs)
+            undo = self._append(key, value, key_abs)
         else:
             with self._pool.lock:  # other caches may take blocks of this pool from other threads
-                self._append(key, value, key_abs)
+                undo = self._append(key, value, key_abs)
         pool = self._pool
         assert pool is not None
         queries = query.reshape(1, -1, pool.head_dim)  # (1 new token, num_q_heads, head_dim)
         try:
             out = attend_sequence(pool, 0, table, self._max_size, queries, self._scale)
         except BaseException:
-            self._undo_append(pool, *before)
+            self._undo_append(pool, undo, *before)
             raise
         out = out.reshape(query.shape)
         return out.tolist() if q_is_list else like_input(q, out)
@@ -367,8 +372,14 @@ class KVCache:
 
     # ---------------------------------------------------------------- private
 
-    def _append(self, key: npt.NDArray[Any], value: npt.NDArray[Any], key_abs: float) -> None:
+    def _append(
+        self, key: npt.NDArray[Any], value: npt.NDArray[Any], key_abs: float
+    ) -> _AppendUndo | None:
         """Evict past the window, take a block if needed, store ``key``/``value`` (validated).
+
+        Returns:
+            None when no block was evicted or taken (the table's counts undo
+            it), else what ``_undo_append`` needs to take the blocks back.
 
         Raises:
             PoolExhaustedError: a shared pool has no free block; nothing changes.
@@ -392,38 +403,62 @@ class KVCache:
             self._kv_shape = key.shape
         self._max_abs_key = max(self._max_abs_key, key_abs)
         released = table.evict_to(window_start)
+        undo = None
         if released:
             pool.allocator.free(released)
+            undo = _AppendUndo(released, pool.allocator)
         slot = table.num_tokens % self._block_size
-        table.append_token(self._take_block(pool) if num_new else None)
+        if num_new:
+            undo = undo or _AppendUndo([], pool.allocator)
+            new_block = undo.new_block = self._take_block(pool, undo)
+            if undo.moved_ids is None and new_block in released:  # an evicted block came straight back
+                undo.saved_pages = _copy_blocks(pool, [new_block])
+            table.append_token(new_block)
+        else:
+            table.append_token(None)
         slot += table.last_block_id * self._block_size
         pool.write_token(0, slot, key.reshape(-1), value.reshape(-1))
+        return undo
 
     def _undo_append(
-        self, pool: KVPool, num_tokens: int, window_start: int, first_block: int, num_blocks: int,
-        kv_shape: tuple[int, ...] | None, max_abs_key: float,
+        self, pool: KVPool, undo: _AppendUndo | None, num_tokens: int, window_start: int,
+        first_block: int, kv_shape: tuple[int, ...] | None, max_abs_key: float,
     ) -> None:
         """Take back the token ``_append`` just added (its attention failed); see ``attend``.
 
-        Exact when no whole block was evicted: the table gets its counts back
-        and gives up the block the append took, if any. An append that
-        evicted blocks has freed them to the pool, where another cache may
-        already hold them, so it is kept.
+        The table gets its counts and its evicted blocks back and gives up the
+        block the append took; the allocator takes back the frees and the
+        take (``BlockAllocator._take_back``); blocks whose slots the append
+        overwrote get their saved contents back.
         """
         table = self._table
-        if table.first_block_index != first_block:  # blocks were evicted and freed
-            return
         state = table._export_state()
         window_ids = state.window_ids
-        new_block = window_ids.pop() if table.num_blocks > num_blocks else None
+        if undo is not None:
+            if undo.new_block is not None:
+                window_ids.pop()
+            if undo.moved_ids is not None:  # re-laid by _compact: block i was moved_ids[i]
+                window_ids = [undo.moved_ids[block_id] for block_id in window_ids]
+            window_ids = undo.released[::-1] + window_ids  # evict_to returned them newest first
         table._restore_state(type(state)(num_tokens, window_start, first_block, state.sink_ids, window_ids))
-        if new_block is not None:
+        if undo is not None:
+            if undo.saved_pages is not None:
+                _put_blocks(pool, undo.saved_pages)
             if self._private:
-                pool.allocator.free([new_block])
+                self._undo_allocator(pool, undo)
             else:
                 with pool.lock:
-                    pool.allocator.free([new_block])
+                    self._undo_allocator(pool, undo)
         self._kv_shape, self._max_abs_key = kv_shape, max_abs_key
+
+    def _undo_allocator(self, pool: KVPool, undo: _AppendUndo) -> None:
+        if pool.allocator is not undo.allocator:  # _compact replaced it (its take is gone with it)
+            if undo.allocator.num_blocks < pool.num_blocks:  # the pool grew: keep the new blocks free
+                undo.allocator.grow(pool.num_blocks - undo.allocator.num_blocks)
+            pool.allocator = undo.allocator
+            undo.allocator._take_back(undo.released, None)
+        else:
+            undo.allocator._take_back(undo.released, undo.new_block)
 
     def _attach(self, pool: KVPool) -> None:
         pool.attach(self._table)
@@ -458,7 +493,7 @@ class KVCache:
         mode = choose_view_mode("auto", growable=False, quantized=quantized, block_bytes=block_bytes)
         return mode == "views"
 
-    def _take_block(self, pool: KVPool) -> int:
+    def _take_block(self, pool: KVPool, undo: _AppendUndo) -> int:
         if not pool.growable:  # a shared pool, or a private ring
             return pool.allocator.allocate_one()
         table = self._table
@@ -466,10 +501,10 @@ class KVCache:
             not table.is_one_run
             or pool.allocator.next_free_block_id() != table.last_block_id + 1
         ):
-            self._compact(pool)
+            self._compact(pool, undo)
         return pool.allocator.allocate_one()
 
-    def _compact(self, pool: KVPool) -> None:
+    def _compact(self, pool: KVPool, undo: _AppendUndo) -> None:
         """Re-lay a private pool so the held blocks are ids ``0 .. k-1``, in order.
 
         NOTE: attention reads a table whose ids are one run as an array view,
@@ -477,9 +512,14 @@ class KVCache:
         benchmarks/). A private pool belongs to this cache alone, so its blocks
         can move: when the next free id would break the run, copy the window to
         the front. It costs one block copy per block appended, amortized,
-        because the pool keeps at least twice the window's blocks.
+        because the pool keeps at least twice the window's blocks. ``undo``
+        keeps the old ids and the contents of the blocks the move and the
+        append overwrite (ids ``0 .. k``), for a failed attention.
         """
-        self._table.replace_all(pool.compact(self._table.block_ids))
+        block_ids = self._table.block_ids
+        undo.moved_ids = block_ids
+        undo.saved_pages = _copy_blocks(pool, [i for i in range(len(block_ids) + 1) if i < pool.num_blocks])
+        self._table.replace_all(pool.compact(block_ids))
 
     def _entries(self, which: int) -> npt.NDArray[Any]:
         if self._pool is None or self._kv_shape is None or len(self) == 0:
@@ -517,3 +557,43 @@ class KVCache:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"len={len(self)}, num_blocks={self.num_blocks}"
         return f"KVCache(max_size={self._max_size}, block_size={self._block_size}, {state})"
+
+
+class _AppendUndo:
+    """What taking back an append that evicted or took blocks needs (``KVCache._undo_append``)."""
+
+    __slots__ = ("allocator", "moved_ids", "new_block", "released", "saved_pages")
+
+    def __init__(self, released: list[int], allocator: BlockAllocator) -> None:
+        #: Blocks ``evict_to`` gave back (newest first), already freed.
+        self.released = released
+        #: The allocator they were freed to (``_compact`` may replace the pool's).
+        self.allocator = allocator
+        #: The block the append took, or None.
+        self.new_block: int | None = None
+        #: The held ids before ``_compact`` moved block ``moved_ids[i]`` to ``i``.
+        self.moved_ids: list[int] | None = None
+        #: Copies of blocks the append overwrote, as ``_copy_blocks`` returns them.
+        self.saved_pages: tuple[list[int], list[npt.NDArray[Any]]] | None = None
+
+
+def _page_arrays(pool: KVPool) -> list[npt.NDArray[Any]]:
+    """Every array of a one-layer pool that block ids index, block-major (views, scales included)."""
+    arrays = [pool.key_pages(0), pool.value_pages(0)]
+    if pool.key_format is not None:
+        arrays.append(pool.key_scales(0).transpose(1, 0, 2, 3))  # (num_blocks, block_size, H, groups)
+    if pool.value_format is not None:
+        arrays.append(pool.value_scales(0).transpose(1, 0, 2, 3))
+    return arrays
+
+
+def _copy_blocks(pool: KVPool, block_ids: list[int]) -> tuple[list[int], list[npt.NDArray[Any]]]:
+    """Copies of ``block_ids``' contents in every array of ``pool``, for ``_put_blocks``."""
+    return block_ids, [array[block_ids] for array in _page_arrays(pool)]
+
+
+def _put_blocks(pool: KVPool, saved: tuple[list[int], list[npt.NDArray[Any]]]) -> None:
+    """Write back what ``_copy_blocks`` saved (the pool may have grown since: same ids)."""
+    block_ids, copies = saved
+    for array, copy in zip(_page_arrays(pool), copies):
+        array[block_ids] = copy

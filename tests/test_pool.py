@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.blocks.read_plan import ReadPlan
-from pagedkv.blocks.table import BlockTable
+from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError
 from pagedkv.memory.pool import KVPool
 

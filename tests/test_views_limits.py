@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from pagedkv import KVCache, KVCacheManager, KVPool
-from pagedkv.blocks.read_plan import ReadPlan
+from pagedkv.blocks.table import ReadPlan
 from pagedkv.errors import ConfigError, UnknownBlockError
 from pagedkv.memory import vmem
 from pagedkv.memory.vmem import descriptor_budget, map_budget

@@ -1,8 +1,11 @@
-"""The block allocator: integer block ids and their reference counts, nothing else.
+"""The block allocator: block ids, their ref counts, the free queues and the cached marks.
 
-The allocator never sees tokens or arrays; it only decides which block ids are
-in use and how many block tables hold each one. Storage (:mod:`pagedkv.memory.pool`)
-pairs it with the arrays the ids index.
+The allocator never sees tokens or arrays (it imports no numpy); it only decides
+which block ids are in use, how many block tables hold each one, and which free
+blocks prefix caching can still revive. Storage (:mod:`pagedkv.memory.pool`) pairs
+it with the arrays the ids index. vLLM: ``BlockPool`` and ``FreeKVCacheBlockQueue``
+(``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``); nano-vllm: ``BlockManager``.
+Design notes (the queue, FIFO order, cached free blocks): docs/design.md, "Block ids".
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pagedkv.blocks.cached_blocks import CachedBlockMarks
 from pagedkv.counts import check_count
 from pagedkv.errors import (
     BlockStateError,
@@ -47,15 +49,15 @@ class AllocatorState:
     cached: list[int]
 
 
-class BlockAllocator(CachedBlockMarks):
+class BlockAllocator:
     """Hands out fixed-size blocks by id from one pool and counts their references.
 
     Free ids wait in a FIFO queue: allocating takes from the head and freeing
     appends to the tail, so both cost O(1) per block and never scan the pool.
     The queue is a list with a head index (not a deque): taking ``n`` ids is
     one slice, and the consumed prefix is dropped once it passes half the
-    list, amortized O(1) per id (measured 2.8-3.6x faster than a deque, see
-    ``benchmarks/bench_allocator.py``).
+    list, amortized O(1) per id (faster than a deque: docs/design.md, "Block
+    ids", and ``benchmarks/bench_allocator.py``).
 
     NOTE: a FIFO (not a LIFO stack) is deliberate. A cache that owns a pool on
     its own gets consecutive ids back in order, which lets attention read its
@@ -409,7 +411,106 @@ class BlockAllocator(CachedBlockMarks):
         self._ref_counts.extend([0] * num_new_blocks)
         self._queue.extend(range(start, self._num_blocks))
 
+    # ------------------------------------------------------------ cached marks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks whose cached contents a prefix hit can still take back."""
+        return len(self._cached_free)
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` is marked cached (its contents are findable by key)."""
+        return block_id in self._cached
+
+    def cached_free_block_ids(self) -> list[int]:
+        """Cached free ids, the next to be evicted first (a copy)."""
+        return list(self._cached_free)
+
+    def mark_cached(self, block_id: int) -> None:
+        """Mark a used block as cached: when freed it waits to be revived or evicted.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+            BlockStateError: the block is free; only used blocks can be marked.
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise BlockStateError(f"block {block_id} is free; only used blocks can be marked cached")
+        self._cached.add(block_id)
+
+    def mark_cached_blocks(self, block_ids: list[int]) -> None:
+        """:meth:`mark_cached` of each of ``block_ids``: all of them, or (raising) none.
+
+        Raises:
+            UnknownBlockError, BlockStateError: as :meth:`mark_cached`, for the first bad id.
+        """
+        ref_counts = self._ref_counts
+        num_blocks = len(ref_counts)
+        for block_id in block_ids:
+            if block_id.__class__ is not int or not 0 <= block_id < num_blocks or not ref_counts[block_id]:
+                self.mark_cached(block_id)  # raises what is wrong with it
+        self._cached.update(block_ids)
+
+    def unmark_cached(self, block_id: int) -> None:
+        """Drop a block's cached mark; a cached free block becomes a plain free one.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+        """
+        self._check_id(block_id)
+        if block_id not in self._cached:
+            return
+        self._cached.discard(block_id)
+        if block_id in self._cached_free:
+            del self._cached_free[block_id]
+            self._queue.append(block_id)
+
+    def revive(self, block_id: int) -> None:
+        """Take a cached free block back into use (ref count 1): a prefix hit.
+
+        Raises:
+            UnknownBlockError: not an id of this pool.
+            BlockStateError: the block is not a cached free block.
+        """
+        self._check_id(block_id)
+        if block_id not in self._cached_free:
+            raise BlockStateError(f"block {block_id} is not a cached free block; nothing to revive")
+        del self._cached_free[block_id]
+        self._ref_counts[block_id] = 1
+
     # --------------------------------------------------------- internal hooks
+
+    def _take_back(self, freed: list[int], taken: int | None) -> None:
+        """Undo ``free(freed)`` followed by an ``allocate_one()`` that returned ``taken``.
+
+        The internal hook of a failed ``KVCache.attend`` (the caller holds the
+        pool's lock, as it did for both commands). ``taken`` goes back to the
+        head of the plain free queue, then each id of ``freed`` that rejoined a
+        free queue leaves it again (the last place it holds, so frees that
+        ``defer`` handed over and the take ran stay done), and every id gets
+        its reference back: the queues, ref counts and cached marks are as
+        before both commands. ``taken`` may be an id of ``freed`` (the freed
+        block was handed out again). Not undone: a take that evicted a cached
+        block (``on_evict`` told its owner); it comes back as a plain free block.
+        """
+        ref_counts, queue = self._ref_counts, self._queue
+        if taken is not None:
+            ref_counts[taken] = 0
+            if self._head:
+                self._head -= 1
+                queue[self._head] = taken
+            else:
+                queue.insert(0, taken)
+        for block_id in reversed(freed):  # the last freed id was queued last
+            if ref_counts[block_id] == 0:
+                if block_id in self._cached_free:
+                    del self._cached_free[block_id]
+                else:
+                    index = len(queue) - 1
+                    while queue[index] != block_id:
+                        index -= 1
+                    del queue[index]
+            ref_counts[block_id] += 1
 
     def _export_state(self) -> AllocatorState:
         """This allocator's state (copies); with ``_restore_state`` the internal snapshot hook."""

@@ -1,10 +1,10 @@
 """Counting live token slots over block tables: the one rule ``metrics()`` and the simulator share.
 
-A slot is *live* when it holds a token some table still attends to (not
-evicted, not an empty tail). Blocks shared by several tables (forks, prefix
-hits) count once. Only the blocks at the ends of a table's sink and window
-parts can be partly live (``BlockTable.live_blocks``), so the count costs
-O(blocks held) with a small constant, and O(1) per table that shares nothing.
+A slot is *live* when it holds a token some table still attends to (not evicted,
+not an empty tail); blocks shared by several tables (forks, prefix hits) count
+once. Only the blocks at the ends of a table's sink and window parts can be partly
+live (``BlockTable.live_blocks``), so the count costs O(blocks held), O(1) per
+table that shares nothing. vLLM counts blocks only (``BlockPool.get_usage``)::
 
     block_size 4, window start 5, 14 tokens:   _xxx|xxxx|xxxx|xx__
                                                first  whole whole last

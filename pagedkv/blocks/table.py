@@ -1,36 +1,132 @@
-"""The block table: which block holds each logical index of one sequence.
+"""The block table: which block holds each logical index of one sequence, and its read plans.
 
-Pure bookkeeping in Python ints; it never touches the allocator or arrays. The
-owner (a cache or the manager) asks the table how many blocks an operation
-needs, takes them from the allocator, hands them to the table, and frees what
-the table gives back.
-
-Layout, block_size 4, a sequence of 10 tokens whose window starts at index 5::
-
-    logical index   0 1 2 3 | 4 5 6 7 | 8 9 . .
-    logical block   0       | 1       | 2
-    state           evicted | x x x x | held, 2 free slots
-                      (freed)   ^ window_start = 5: index 4 is evicted but
-                                  block 1 still holds 5..7, so it stays
-    table           [       , b1      , b2     ]   first_block_index = 1
-
-With attention sinks the first ``ceil(num_sink_tokens / block_size)`` logical
-blocks are pinned: they are never freed, and the window part of the table
-starts after them. Where each logical index lives is computed in
-:mod:`pagedkv.blocks.layout`, from the table's state only.
+:class:`BlockTable` is bookkeeping in Python ints (numpy only for slot arrays); it
+never touches the allocator or the pool's arrays. It alone knows where logical
+index ``i`` lives (the slot arithmetic, drawn in its docstring), and it makes the
+:class:`ReadPlan` a pool executes: ``table.read_plan(ranges) -> ReadPlan ->
+pool.gather(layer, plan)``. vLLM: the block tables of
+``vllm/v1/core/single_type_kv_cache_manager.py``; SGLang: ``ReqToTokenPool``.
+Design notes (the owner's protocol, sinks, windows): docs/design.md, "Block ids".
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, pairwise
+from typing import NamedTuple
 
-from pagedkv.blocks.layout import TableLayout, count_breaks
+import numpy as np
+import numpy.typing as npt
+
 from pagedkv.counts import ceil_div, check_count
-from pagedkv.errors import BlockTableError
+from pagedkv.errors import BlockTableError, UnknownBlockError
 
-__all__ = ["BlockTable", "TableState"]
+__all__ = ["BlockTable", "Ranges", "ReadPlan", "TableState", "check_block_ids", "count_breaks"]
+
+#: Logical index ranges ``[start, end)``, in order.
+Ranges = list[tuple[int, int]]
+
+
+def count_breaks(block_ids: Iterable[int]) -> int:
+    """How many adjacent pairs of ``block_ids`` are not consecutive ids (0: one run).
+
+    >>> count_breaks([3, 4, 5, 9, 10])
+    1
+    """
+    return sum(1 for a, b in pairwise(block_ids) if a + 1 != b)
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> None:
+    """Raise ``UnknownBlockError`` unless every id is in ``0 .. num_blocks - 1``.
+
+    The one range check of a read: a page view maps each id's file offset,
+    and an id past the pool's end maps past the end of the file (the first
+    touch kills the process with SIGBUS), so ids are checked before any read.
+
+    >>> check_block_ids([3, 0, 7], 8)
+    >>> check_block_ids([3, 9], 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    pagedkv.errors.UnknownBlockError: block id 9 is not in this pool (ids 0 to 7); ...
+    """
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+        bad = next(block_id for block_id in block_ids if not 0 <= block_id < num_blocks)
+        raise UnknownBlockError(f"block id {bad} is not in this pool (ids 0 to {num_blocks - 1}); "
+                                "the block table names a block the pool does not have")
+
+
+class ReadPlan(NamedTuple):
+    """Where the tokens to read lie in the pool, in logical order: what a pool executes.
+
+    A :class:`BlockTable` makes plans (it alone knows where logical index ``i``
+    lives); a :class:`~pagedkv.memory.pool.KVPool` executes them (it knows only
+    block ids, slots and arrays, nothing of sinks or windows).
+
+    Either *blocks*: the tokens are ``num_tokens`` consecutive slots of the
+    blocks ``block_ids`` laid end to end, starting ``offset`` slots into the
+    first (``slots`` is None); or *slots*: the tokens are at ``slots``, one
+    slot each (sinks in front of a window, or any other gap).
+
+    ::
+
+        block_size 4, blocks (7, 3), offset 2, num_tokens 5:
+            block 7: . . x x   block 3: x x x .      slots 30 31 12 13 14
+
+    Attributes:
+        num_tokens: tokens to read.
+        block_ids: the blocks, in logical order (blocks plans only; empty for slots plans).
+        offset: slots to skip in the first block (blocks plans only).
+        is_run: the block ids are consecutive (``7, 8, 9``), so the tokens
+            are one contiguous stretch of the pool: readable as a view.
+        slots: the slot of every token (slots plans only).
+
+    NOTE: a NamedTuple, not a frozen dataclass: every attention call makes
+    one, and a tuple is built several times faster.
+    """
+
+    num_tokens: int
+    block_ids: tuple[int, ...] = ()
+    offset: int = 0
+    is_run: bool = False
+    slots: npt.NDArray[np.intp] | None = None
+
+    def check(self, num_blocks: int, block_size: int) -> None:
+        """Raise ``UnknownBlockError`` unless every block (or slot) lies in a pool of ``num_blocks``.
+
+        O(1) for a run (its first and last id), one pass otherwise.
+
+        >>> ReadPlan(5, (7, 3), offset=2).check(8, 4)
+        >>> ReadPlan(2, slots=np.array([30, 33])).check(8, 4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pagedkv.errors.UnknownBlockError: slot 33 is not in this pool (slots 0 to 31); ...
+        """
+        if self.slots is not None:
+            slots = self.slots
+            num_slots = num_blocks * block_size
+            if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+                bad = int(slots[(slots < 0) | (slots >= num_slots)][0])
+                raise UnknownBlockError(f"slot {bad} is not in this pool (slots 0 to {num_slots - 1}); "
+                                        "the block table names a block the pool does not have")
+        elif self.is_run and self.block_ids:
+            check_block_ids((self.block_ids[0], self.block_ids[-1]), num_blocks)
+        else:
+            check_block_ids(self.block_ids, num_blocks)
+
+    def slot_array(self, block_size: int) -> npt.NDArray[np.intp]:
+        """The slot of every token, whichever kind of plan this is.
+
+        >>> ReadPlan(5, (7, 3), offset=2).slot_array(4).tolist()
+        [30, 31, 12, 13, 14]
+        """
+        if self.slots is not None:
+            return self.slots
+        ids = np.array(self.block_ids, np.intp)
+        every: npt.NDArray[np.intp] = (ids[:, None] * block_size + np.arange(block_size)).ravel()
+        return every[self.offset : self.offset + self.num_tokens]
+
 
 @dataclass(frozen=True, slots=True)
 class TableState:
@@ -51,8 +147,25 @@ class TableState:
     window_ids: list[int]
 
 
-class BlockTable(TableLayout):
+class BlockTable:
     """One sequence's ordered block ids and the range of logical indices they hold.
+
+    The owner (a cache or the manager) asks the table how many blocks an
+    operation needs, takes them from the allocator, hands them to the table,
+    and frees what the table gives back. The first ``num_sink_blocks``
+    logical blocks hold the attention sinks and are never freed; the window
+    part starts after them.
+
+    Logical index ``i`` lives in logical block ``i // block_size`` at offset
+    ``i % block_size``. A logical block below ``num_sink_blocks`` is a sink
+    block (``sink_ids[j]``); any other is ``window_ids[j - first_block_index]``.
+    The methods under "where logical indices live" compute that, from the
+    table's state only; nothing else computes a slot::
+
+        block_size 4, 2 sinks, window start 9, 18 tokens:
+            logical block   0    | 1       | 2    | 3    | 4
+            held            xx__ | evicted | _xxx | xxxx | xx__
+                            sink             first  whole  last
 
     Invariants:
         * held logical blocks are ``0 .. num_sink_blocks - 1`` (sink blocks, as
@@ -417,6 +530,150 @@ class BlockTable(TableLayout):
         breaks = count_breaks(self._ids)
         if breaks != self._num_breaks:
             raise AssertionError(f"run breaks counted {self._num_breaks}, actual {breaks}")
+
+    # ------------------------------------- where logical indices live (queries)
+
+    def holds_block(self, logical_block: int) -> bool:
+        """Whether logical block ``logical_block`` is held (a sink block, or in the window part)."""
+        last = ceil_div(self.num_tokens, self.block_size)
+        if logical_block < self.num_sink_blocks:
+            return logical_block < len(self._sink_ids)
+        return self._first_block <= logical_block < last
+
+    def ids_of_blocks(self, logical_blocks: range) -> list[int | None]:
+        """Each of ``logical_blocks``' id when it is held, else None (:meth:`holds_block`, :meth:`block_id`).
+
+        A range wholly in the window part (every block of a sequence with no
+        sinks and no window) is one slice of the ids.
+        """
+        start, stop = logical_blocks.start, logical_blocks.stop
+        if (
+            logical_blocks.step == 1
+            and start >= self.num_sink_blocks
+            and start >= self._first_block
+            and stop <= ceil_div(self.num_tokens, self.block_size)
+        ):
+            first = self._first_block
+            return list(islice(self._ids, start - first, max(start, stop) - first))
+        return [self.block_id(block) if self.holds_block(block) else None for block in logical_blocks]
+
+    def block_id(self, logical_block: int) -> int:
+        """The id of the block holding logical block ``logical_block`` (it must be held)."""
+        if logical_block < self.num_sink_blocks:
+            return self._sink_ids[logical_block]
+        return self._ids[logical_block - self._first_block]
+
+    def slot(self, index: int) -> int:
+        """The slot (``block_id * block_size + offset``) of held logical index ``index``.
+
+        The one scalar form of the rule the class docstring draws;
+        :meth:`slot_array` is its vectorized form.
+        """
+        logical_block, offset = divmod(index, self.block_size)
+        return self.block_id(logical_block) * self.block_size + offset
+
+    def slot_array(self, ranges: Ranges) -> npt.NDArray[np.intp]:
+        """Slots of the held logical indices in ``ranges``, in order (a new array).
+
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 2])
+        >>> table.slot_array([(2, 6)]).tolist()
+        [30, 31, 8, 9]
+        """
+        if not ranges:
+            return np.empty(0, np.intp)
+        block_size, sink_ids, first_window = self.block_size, self._sink_ids, self._first_block
+        ids = np.array([*sink_ids, *self._ids], np.intp)
+        positions = np.concatenate([np.arange(start, end) for start, end in ranges])
+        logical_block = positions // block_size
+        # Held logical blocks below the window part's first one are sink blocks.
+        window_index = logical_block - first_window + len(sink_ids)
+        index = np.where(logical_block < first_window, logical_block, window_index)
+        slots: npt.NDArray[np.intp] = ids[index] * block_size + positions % block_size
+        return slots
+
+    def read_plan(self, ranges: Ranges | None = None) -> ReadPlan:
+        """How to read the held logical indices in ``ranges`` (default: every held one).
+
+        One range that lies after the sink blocks becomes a *blocks* plan
+        (whole blocks and an offset; a zero-copy view when their ids are one
+        run); anything else (sinks in front of a window) a *slots* plan.
+
+        >>> table = BlockTable(block_size=4)
+        >>> table.append(6, [7, 8])
+        >>> table.read_plan()
+        ReadPlan(num_tokens=6, block_ids=(7, 8), offset=0, is_run=True, slots=None)
+        >>> table.read_plan([(5, 6)]).block_ids
+        (8,)
+        >>> window = BlockTable.restored(4, 0, num_tokens=12, window_start=4, block_ids=[7, 8])
+        >>> window.read_plan([(5, 9)])  # logical blocks 1 and 2, from offset 1
+        ReadPlan(num_tokens=4, block_ids=(7, 8), offset=1, is_run=True, slots=None)
+        """
+        if ranges is None:
+            ranges = self.live_ranges()
+        num_tokens = sum(end - start for start, end in ranges)
+        if not num_tokens:
+            return ReadPlan(0, is_run=True)
+        block_size = self.block_size
+        start, end = ranges[0]
+        if len(ranges) > 1 or start // block_size < self.num_sink_blocks:
+            return ReadPlan(num_tokens, slots=self.slot_array(ranges))
+        first_window, window_ids = self._first_block, self._ids
+        lo = start // block_size - first_window
+        hi = ceil_div(end, block_size) - first_window
+        if lo == 0 and hi == len(window_ids):
+            ids = tuple(window_ids)
+            is_run = self._num_breaks == 0
+        else:
+            ids = tuple(islice(window_ids, lo, hi))
+            is_run = all(a + 1 == b for a, b in pairwise(ids))
+        return ReadPlan(num_tokens, ids, start - (lo + first_window) * block_size, is_run)
+
+    def live_blocks(self) -> tuple[list[int], dict[int, int]]:
+        """Which held blocks hold live tokens: ``(wholly live ids, {partly live id: offset mask})``.
+
+        Bit ``o`` of a mask is set when offset ``o`` of that block holds a live
+        token. A block with no live offset (the evicted part of the window's
+        first block only) is in neither. Only the blocks at the ends of the sink
+        and window parts can be partly live.
+
+        >>> table = BlockTable.restored(4, 2, num_tokens=18, window_start=9, block_ids=[5, 6, 7, 8])
+        >>> table.live_blocks()  # the class docstring's drawing
+        ([7], {5: 3, 6: 14, 8: 3})
+        """
+        block_size = self.block_size
+        segments: tuple[tuple[int, Sequence[int]], ...] = (
+            (0, self._sink_ids), (self._first_block, self._ids)
+        )
+        whole: list[int] = []
+        masks: dict[int, int] = {}
+        for start, end in self.live_ranges():
+            for first_logical, ids in segments:
+                lo_block = max(start // block_size, first_logical)
+                hi_block = min(ceil_div(end, block_size), first_logical + len(ids))  # exclusive
+                if lo_block >= hi_block:
+                    continue
+                # Blocks strictly between the range's first and last are whole.
+                whole.extend(islice(ids, lo_block + 1 - first_logical, hi_block - 1 - first_logical))
+                for logical in sorted({lo_block, hi_block - 1}):
+                    block_id = ids[logical - first_logical]
+                    lo = max(start - logical * block_size, 0)
+                    hi = min(end - logical * block_size, block_size)
+                    # A sink block the window range reaches too gets both ranges' bits.
+                    masks[block_id] = masks.get(block_id, 0) | ((1 << hi) - (1 << lo))
+        full = (1 << block_size) - 1
+        whole.extend(block_id for block_id, mask in masks.items() if mask == full)
+        return whole, {block_id: mask for block_id, mask in masks.items() if mask != full}
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """Held logical index ranges ``[start, end)``, sinks first, in order."""
+        num_sinks = min(self.num_sink_tokens, self.num_tokens)
+        ranges = [(0, num_sinks)] if num_sinks else []
+        if self.num_tokens > self.window_start:
+            ranges.append((self.window_start, self.num_tokens))
+        return ranges
+
+    # ------------------------------------------------------------- the holder
 
     def held_block_ids(self) -> list[int]:
         """The held block ids, once each: a table is a :class:`~pagedkv.memory.pool.BlockHolder`."""

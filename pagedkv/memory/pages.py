@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.blocks.read_plan import ReadPlan
+from pagedkv.blocks.table import ReadPlan
 from pagedkv.counts import check_layer
 from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.memory.quantization import QuantizedTokens, StorageFormat, Tokens, storage_format

@@ -19,8 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.blocks.allocator import BOOKKEEPING_BYTES_PER_BLOCK, BlockAllocator
-from pagedkv.blocks.read_plan import ReadPlan
-from pagedkv.blocks.table import BlockTable
+from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.counts import check_count, check_layer
 from pagedkv.errors import ConfigError, InputTypeError, PoolTooLargeError, refuse_pickling
 from pagedkv.inputs import check_dtype

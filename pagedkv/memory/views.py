@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.blocks.read_plan import check_block_ids
-from pagedkv.blocks.table import BlockTable
+from pagedkv.blocks.table import BlockTable, check_block_ids
 from pagedkv.memory.vmem import MapBudget, Reservation, populate
 
 __all__ = ["MIN_CAPACITY", "PageFile", "PageViews", "ViewStats"]
