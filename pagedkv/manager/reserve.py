@@ -241,19 +241,34 @@ def plan_step(
 ) -> tuple[Step, int]:
     """One sequence's step of a plan, and how many blocks its evictions give back to the pool.
 
-    ``ref_drops`` counts the references the plan's earlier steps drop from
+    ``ref_drops`` counts the references the plan's other steps drop from
     each block (evictions and copies); this step adds its own.
     """
+    window_start, num_released = _plan_eviction(table, allocator, window, ref_drops)
+    return (window_start, *_plan_growth(table, count, allocator, ref_drops)), num_released
+
+
+def _plan_eviction(
+    table: BlockTable, allocator: BlockAllocator, window: int | None, ref_drops: dict[int, int]
+) -> tuple[int, int]:
+    """The window start of ``table``'s next token and the blocks its eviction releases; counts its drops."""
+    num_released = 0
+    if window is None:
+        return table.window_start, 0
+    window_start = table.num_tokens + 1 - window
+    for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
+        ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
+        if ref_drops[block_id] == allocator.ref_count(block_id):
+            num_released += 1
+    return window_start, num_released
+
+
+def _plan_growth(
+    table: BlockTable, count: int, allocator: BlockAllocator, ref_drops: dict[int, int]
+) -> tuple[bool, int]:
+    """Whether ``table``'s partly filled last block is copied first, and how many new blocks it takes."""
     bs = table.block_size
     num_tokens = table.num_tokens
-    window_start = table.window_start
-    num_released = 0
-    if window is not None:
-        window_start = num_tokens + 1 - window
-        for block_id in table.window_block_ids(table.num_blocks_released_by(window_start)):
-            ref_drops[block_id] = ref_drops.get(block_id, 0) + 1
-            if ref_drops[block_id] == allocator.ref_count(block_id):
-                num_released += 1
     copy_on_write = False
     if num_tokens % bs and table.num_blocks:  # a partly filled last block: copied first if shared or keyed
         last = table.last_block_id
@@ -262,7 +277,7 @@ def plan_step(
             ref_drops[last] = ref_drops.get(last, 0) + 1
     # ceil((num_tokens + count) / bs) - ceil(num_tokens / bs): BlockTable.num_new_blocks, inlined
     num_blocks = (num_tokens // -bs) - ((num_tokens + count) // -bs)
-    return (window_start, copy_on_write, num_blocks), num_released
+    return copy_on_write, num_blocks
 
 
 def plan_steps(
@@ -278,18 +293,22 @@ def plan_steps(
         as :class:`ReservationPlan` names them, each step a
         ``(window_start, copy_on_write, num_new_blocks)`` tuple.
 
-    A block released by a later sequence counts as available to an earlier
-    sequence's new blocks: ``reserve`` evicts for every sequence first.
+    ``reserve`` evicts for every sequence first, so every sequence's evictions
+    are counted before any copy-on-write is decided: a block another
+    sequence's window lets go of is no longer shared for this one, whatever
+    the order of the request. A block released by a later sequence counts as
+    available to an earlier sequence's new blocks.
     """
     ref_drops: dict[int, int] = {}
+    evictions = [_plan_eviction(table, allocator, window, ref_drops) for table in tables]
     steps: list[Step] = []
     num_new = num_cow = num_released = 0
-    for table, count in zip(tables, counts):
-        step, released = plan_step(table, count, allocator, window, ref_drops)
-        num_new += step[2] + step[1]
-        num_cow += step[1]
+    for table, count, (window_start, released) in zip(tables, counts, evictions):
+        copy_on_write, num_blocks = _plan_growth(table, count, allocator, ref_drops)
+        num_new += num_blocks + copy_on_write
+        num_cow += copy_on_write
         num_released += released
-        steps.append(step)
+        steps.append((window_start, copy_on_write, num_blocks))
     return num_new, num_cow, num_released, steps
 
 
