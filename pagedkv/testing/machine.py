@@ -203,7 +203,7 @@ class CacheMachine(RuleBasedStateMachine):
     #: A ``unittest.TestCase`` that runs the machine as ``pagedkv check`` does: the
     #: kit's shrinker, and the verdict's report as the failure (not Hypothesis's);
     #: set by :func:`~pagedkv.testing.stateful.make_cache_machine`.
-    TestCase: type[unittest.TestCase]
+    TestCase: type[unittest.TestCase]  # type: ignore[assignment, unused-ignore]  # newer Hypothesis: its own TestCase type
 
     def __init__(self, options: MachineOptions | None = None, run: MachineRun | None = None) -> None:
         super().__init__()

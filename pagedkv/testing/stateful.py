@@ -236,7 +236,7 @@ def run_cache_machine(
         if getter is not None:
             hypothesis.seed(chosen)(getter(factory, settings=run_settings))()
         else:  # pragma: no cover - Hypothesis before get_state_machine_test: derandomized
-            hypothesis.stateful.run_state_machine_as_test(  # type: ignore[no-untyped-call]
+            hypothesis.stateful.run_state_machine_as_test(  # type: ignore[no-untyped-call, unused-ignore]
                 factory, settings=hypothesis.settings(run_settings, derandomize=True)
             )
     except Exception as caught:
