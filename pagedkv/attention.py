@@ -156,6 +156,15 @@ def attend_dense(
     return result
 
 
+def _group_by_kv_head(queries: npt.NDArray[np.floating], num_kv_heads: int) -> npt.NDArray[np.floating]:
+    """``(num_queries, num_q_heads, d)`` as ``(num_kv_heads, num_queries * group, d)``: by kv head."""
+    num_queries, num_q_heads, head_dim = queries.shape
+    group = num_q_heads // num_kv_heads
+    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    result: npt.NDArray[np.floating] = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
+    return result
+
+
 def attend_dense_masked(
     queries: npt.NDArray[np.floating],
     keys: npt.NDArray[np.floating],
@@ -186,9 +195,7 @@ def attend_dense_masked(
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    # (num_kv_heads, num_queries * group, head_dim): query heads grouped by the kv head they read
-    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
+    grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (num_kv_heads, num_queries * group, num_tokens)
     scores = scores.reshape(num_kv_heads, num_queries, group, num_tokens)
     scores = softmax_rows(scores, scale, visible[None, :, None, :])
@@ -355,8 +362,7 @@ def attend_chunked_masked(
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    grouped = queries.reshape(num_queries, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    grouped = grouped.reshape(num_kv_heads, num_queries * group, head_dim)
+    grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
     scores = softmax_rows(scores, scale, visible[None, :, None, :])
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
