@@ -14,14 +14,14 @@ written before each call), BLAS pinned to one thread, medians. Rows:
 tokens (the manager's loop); (c) prefill chunks of 128 tokens; (d) a windowed
 cache (``max_size=1024``): per-token time late in a 64k stream vs a young cache's,
 in turns, blocks held; (e) mapping costs; (f) areas and RSS of a 64-sequence x 4-layer
-pool at 1024 tokens; (g) the block-size sweep at 4k tokens, also written to
-``benchmarks/results/kernel_block_size.json`` (three passes, their
-medians combined); (h) where the views' gap comes
+pool at 1024 tokens; (g) the block-size sweep at 4k tokens (three passes, their medians
+combined), written to ``benchmarks/results/kernel_block_size.json`` only
+with ``--save``; (h) where the views' gap comes
 from: the same kernel on private anonymous memory, head-major or token-major,
 with huge pages or 4 KiB pages (``madvise``), next to the views. Outputs are checked bit for
 bit between views and gather. Nothing is asserted about time.
 
-Run: ``python benchmarks/bench_views.py [--quick]`` (Linux; views need it).
+Run: ``python benchmarks/bench_views.py [--quick | --save]`` (Linux; views need it).
 """
 
 from __future__ import annotations
@@ -386,7 +386,15 @@ def sweep(block_sizes: list[int], repeats: int, flush: Flusher, passes: int = 3)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, a 16k windowed stream")
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="write the block-size sweep (g) to benchmarks/results/kernel_block_size.json",
+    )
     args = parser.parse_args()
+    if args.quick and args.save:
+        # NOTE: the file is the measured record the simulator reads; a smoke run once overwrote it.
+        parser.error("--save records the full block-size sweep; run it without --quick")
     repeats = 5 if args.quick else 11
     print(
         header(
@@ -461,11 +469,16 @@ def main() -> None:
                 ],
             )
         )
-    machine = f"{cpu_model()}, {os.cpu_count()} cores, BLAS 1 thread, cache-cold, medians of {passes} passes"
-    result["machine"] = machine  # type: ignore[assignment]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"  written to {RESULTS}")
+    if args.save:
+        machine = (
+            f"{cpu_model()}, {os.cpu_count()} cores, BLAS 1 thread, cache-cold, medians of {passes} passes"
+        )
+        result["machine"] = machine  # type: ignore[assignment]
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\n  (g) written to {RESULTS}")
+    else:
+        print(f"\n  (g) not saved: pass --save to write it to {RESULTS}")
     print(footer())
 
 

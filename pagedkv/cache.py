@@ -4,7 +4,8 @@ The seed contract: ``attend(q, k, v)`` appends ``k``/``v``; if the cache now
 holds more than ``max_size`` entries it evicts the oldest; then it returns the
 attention of ``q`` over every cached entry, the new one included. Caching never
 changes an output: each one equals, bit for bit, the no-cache recompute of
-:mod:`pagedkv.reference`.
+:mod:`pagedkv.reference`. Counterpart: transformers' ``DynamicCache``, paged, for one
+sequence; many sequences are :class:`pagedkv.KVCacheManager`'s (vLLM's ``KVCacheManager``).
 
 >>> KVCache().attend([1.0], [1.0], [42.0])
 [42.0]

@@ -6,7 +6,7 @@ scratch. A finalizer (a cache or manager dropped without ``close``/``free``)
 may run in any thread at any moment, even inside a command of its own thread,
 so it takes the lock only if it is free and otherwise hands its frees to the
 allocator, which runs them at its next ``allocate``. See "Concurrency" in
-docs/design.md.
+docs/design.md. No vLLM counterpart: its engine core schedules from one thread.
 """
 
 from __future__ import annotations

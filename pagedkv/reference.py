@@ -1,14 +1,10 @@
 """The no-cache recompute: what a cache must equal, bit for bit.
 
-At every step it rebuilds dense arrays of the tokens inside the window from
-scratch, with no blocks, tables or pools, and runs the same kernel as the
-cache (:func:`pagedkv.attention.attend_dense`). A paged result that differs
-from it in a single bit is a bug in the paging, never rounding.
-
-With quantized storage (``key_dtype``/``value_dtype``) it quantizes the
-window's tokens exactly as the pool does, token by token, and runs the same
-chunked kernel (:func:`pagedkv.attention.attend_chunked`), so a quantized
-cache equals it bit for bit too.
+Each step rebuilds dense arrays of the window's tokens from scratch, with no blocks, tables or
+pools, and runs the cache's own kernel (:func:`pagedkv.attention.attend_dense`; quantized
+storage is quantized token by token as the pool does, then :func:`~pagedkv.attention.attend_chunked`),
+so a paged result that differs in one bit is a paging bug, never rounding. The counterpart of
+the dense reference attention vLLM's kernel tests compare with (there within a tolerance).
 
 >>> recompute([[1.0], [1.0]], [[1.0], [2.0]], [[42.0], [0.0]], max_size=1)
 [[42.0], [0.0]]

@@ -2,6 +2,7 @@
 
 A tool on top of the library; nothing in the core imports it. ``args`` holds the
 argparse types every subcommand shares, ``check`` the ``pagedkv check`` parser.
+vLLM's counterpart is the ``vllm`` command (``vllm/entrypoints/cli/``).
 """
 
 from pagedkv.cli.args import (

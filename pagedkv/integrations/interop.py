@@ -1,27 +1,9 @@
 """Block tables in the forms GPU kernels read: FlashInfer's CSR and vLLM's slot mapping.
 
-FlashInfer's paged kernels take a batch's pages as CSR arrays (int32)::
-
-    seq "a": 6 tokens in blocks [3, 7]     (block_size 4: 4 + 2)
-    seq "b": 3 tokens in block  [5]
-    kv_indptr        [0, 2, 3]     seq i's pages are kv_indices[indptr[i]:indptr[i+1]]
-    kv_indices       [3, 7, 5]
-    kv_last_page_len [2, 3]        tokens in each sequence's last page, 1..block_size
-
-vLLM's kernels take one slot per new token, ``slot = block_id * block_size +
-offset``; :attr:`pagedkv.Batch.slot_mapping` is exactly that.
-
->>> import numpy as np
->>> from pagedkv import KVPool, KVCacheManager
->>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=1))
->>> manager.add_sequence("a"), manager.add_sequence("b")
-(0, 0)
->>> batch = manager.reserve({"a": 6, "b": 3})
->>> batch.slot_mapping.tolist()
-[0, 1, 2, 3, 4, 5, 8, 9, 10]
->>> csr = flashinfer_csr(manager, ["a", "b"])
->>> csr.kv_indptr.tolist(), csr.kv_indices.tolist(), csr.kv_last_page_len.tolist()
-([0, 2, 3], [0, 1, 2], [2, 3])
+:func:`flashinfer_csr` exports a batch's pages as FlashInfer's ``kv_indptr`` / ``kv_indices`` /
+``kv_last_page_len`` (int32), the arrays vLLM's FlashInfer backend builds; vLLM's other
+kernels take one slot per new token, ``block_id * block_size + offset``, which
+:attr:`pagedkv.Batch.slot_mapping` is. Both drawn in "Interop" in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -72,6 +54,18 @@ def flashinfer_csr(manager: KVCacheManager, seq_ids: Sequence[Hashable]) -> Page
         SequenceStateError: a sequence is not running or holds no tokens.
         AssertionError: a computed ``last_page_len`` is outside
             ``1 .. block_size`` (FlashInfer #320 accepted such values silently).
+
+    Example:
+        >>> from pagedkv import KVPool, KVCacheManager
+        >>> manager = KVCacheManager(KVPool(8, block_size=4, head_dim=1))
+        >>> manager.add_sequence("a"), manager.add_sequence("b")
+        (0, 0)
+        >>> batch = manager.reserve({"a": 6, "b": 3})
+        >>> batch.slot_mapping.tolist()
+        [0, 1, 2, 3, 4, 5, 8, 9, 10]
+        >>> csr = flashinfer_csr(manager, ["a", "b"])
+        >>> csr.kv_indptr.tolist(), csr.kv_indices.tolist(), csr.kv_last_page_len.tolist()
+        ([0, 2, 3], [0, 1, 2], [2, 3])
     """
     block_size = manager.pool.block_size
     indptr = [0]

@@ -1,28 +1,11 @@
 """Publishing KV events on vLLM's wire format, so a router built for vLLM subscribes unchanged.
 
-The ``events`` extra (pyzmq, msgspec). Each ``publish`` sends one
-``KVEventBatch`` (``ts``, ``events``, ``data_parallel_rank``) encoded with
-msgpack exactly as vLLM's ``ZmqEventPublisher`` does — the batch as an array,
-each event a map tagged with its class name (``"type": "BlockStored"``), fields
-at their default left out — as a three-part ZMQ message on a PUB socket::
-
-    [topic (utf-8), sequence number (8 bytes, big-endian), payload]
-
-Sequence numbers start at 0 and grow by one per batch, so a subscriber sees
-a gap. The last ``buffer_steps`` batches are kept for replay: a subscriber
-that missed some sends ``[b"", start sequence number]`` from a DEALER socket
-to the replay (ROUTER) endpoint and gets every kept batch from there on, as
-``[b"", topic, seq, payload]``, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
-When the batches it asked for are no longer kept (the first replayed is past
-its start), the publisher calls ``resync`` (pass the manager's
-``kv_events.request_resync``): the next batch published starts with
-``AllBlocksCleared`` and stores every keyed block, so the subscriber drops
-what it knew and takes that. A buffer overflow upstream resyncs the same way,
-in band: the wire carries a resync as ordinary events.
-
-Unlike vLLM's, this publisher sends from the caller's thread (a PUB socket
-never blocks: at its high-water mark ZMQ drops), and serves waiting replay
-requests on each ``publish`` and on ``serve_replay``. An engine step::
+The ``events`` extra (pyzmq, msgspec). :class:`ZmqEventPublisher` is vLLM's
+``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``) on the wire: msgpack
+``KVEventBatch``es as ``[topic, sequence number, payload]`` on a PUB socket, and a replay
+socket that resends the last ``buffer_steps`` batches or asks for a resync when they are gone.
+Unlike vLLM's, it sends from the caller's thread. The wire format and the replay protocol:
+"On the wire" in docs/prefix_caching.md. An engine step::
 
     publisher.publish(manager.drain_kv_events())
 """

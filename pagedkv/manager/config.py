@@ -42,6 +42,8 @@ class ManagerConfig:
             passes, so ``write`` and ``attend`` scan no values (NaN,
             infinity, magnitude) and ``attend`` skips the score bound.
         kv_events: the bound of the KV event buffer; 0 when events are off.
+        num_layers: the pool layers the manager uses (the first ones): all of
+            them, or a KV-cache group's layers on a pool padded for a larger group.
     """
 
     layer_max_sizes: tuple[int | None, ...]
@@ -53,6 +55,7 @@ class ManagerConfig:
     hash_algorithm: str
     trusted_inputs: bool = False
     kv_events: int = 0
+    num_layers: int = 1
 
 
 def configure(
@@ -67,6 +70,7 @@ def configure(
     hash_algorithm: str,
     trusted_inputs: bool = False,
     kv_events: bool | int = False,
+    num_layers: int | None = None,
 ) -> ManagerConfig:
     """Validate a manager's arguments against ``pool``; return the configuration.
 
@@ -80,6 +84,12 @@ def configure(
     if pool.growable:
         raise ConfigError("a manager needs a fixed pool; create KVPool(..., growable=False)")
     window = check_max_size(max_size)
+    if num_layers is None:
+        num_layers = pool.num_layers
+    else:
+        num_layers = check_count("num_layers", num_layers)
+        if num_layers > pool.num_layers:
+            raise ConfigError(f"num_layers={num_layers} but the pool has {pool.num_layers} layers")
     if layer_max_sizes is not None:
         if window is not None:
             raise ConfigError("give max_size or layer_max_sizes, not both")
@@ -89,12 +99,12 @@ def configure(
                 f"got {layer_max_sizes!r}"
             )
         windows = [check_max_size(w, "layer_max_sizes entry") for w in layer_max_sizes]
-        if len(windows) != pool.num_layers:
+        if len(windows) != num_layers:
             raise ConfigError(
-                f"layer_max_sizes has {len(windows)} entries, the pool has {pool.num_layers} layers"
+                f"layer_max_sizes has {len(windows)} entries, the manager has {num_layers} layers"
             )
     else:
-        windows = [window] * pool.num_layers
+        windows = [window] * num_layers
     q_heads = pool.num_kv_heads if num_q_heads is None else check_count("num_q_heads", num_q_heads)
     if q_heads % pool.num_kv_heads:
         raise ConfigError(f"num_q_heads={q_heads} is not a multiple of num_kv_heads={pool.num_kv_heads}")
@@ -121,4 +131,5 @@ def configure(
         hash_algorithm=hash_algorithm,
         trusted_inputs=trusted_inputs,
         kv_events=max_events,
+        num_layers=num_layers,
     )

@@ -139,6 +139,12 @@ class KVCacheManager:
         kv_events: with prefix caching, record the prefix cache's changes
             for a cluster router (see :mod:`pagedkv.prefix.events`): True keeps up
             to 10,000 undrained events, an int sets that bound.
+        num_layers: use only the pool's first ``num_layers`` layers (default:
+            all): a KV-cache group on a pool whose pages hold a larger group's
+            layers (see :class:`~pagedkv.manager.hybrid.HybridKVCacheManager`).
+        share_pool_with: another prefix-caching manager on the same pool
+            whose prefix cache this one's runs beside (one per KV-cache group;
+            without it a pool runs one prefix cache).
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -158,6 +164,8 @@ class KVCacheManager:
         hash_algorithm: str = "sha256",
         trusted_inputs: bool = False,
         kv_events: bool | int = False,
+        num_layers: int | None = None,
+        share_pool_with: KVCacheManager | None = None,
     ) -> None:
         config = configure(
             pool,
@@ -170,6 +178,7 @@ class KVCacheManager:
             hash_algorithm=hash_algorithm,
             trusted_inputs=trusted_inputs,
             kv_events=kv_events,
+            num_layers=num_layers,
         )
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
         self.pool = pool
@@ -185,12 +194,18 @@ class KVCacheManager:
         self.hash_algorithm = config.hash_algorithm
         #: Whether ``write`` and ``attend`` skip scanning values (``trusted_inputs``).
         self.trusted_inputs = config.trusted_inputs
+        #: The pool layers this manager writes and attends: ``0 .. num_layers - 1``.
+        self.num_layers = config.num_layers
         self._seqs = SequenceRegistry()
-        self._max_abs_key = [0.0] * pool.num_layers
+        self._max_abs_key = [0.0] * config.num_layers
         # write's argmax/argmin results land here (check_token_pair's index): under pool.lock only.
         self._scan_index = np.empty((), np.intp)
         self._counters = dict.fromkeys(COUNTERS, 0)
-        self._sharing = PrefixSharing.for_manager(pool, config) if config.enable_prefix_caching else None
+        self._sharing = (
+            PrefixSharing.for_manager(pool, config, _shared_prefix_cache(pool, share_pool_with))
+            if config.enable_prefix_caching
+            else None
+        )
         # The pools hold these weakly; the manager keeps them alive.
         self._holders = [
             SequenceHolder(self._seqs, SequenceState.RUNNING),
@@ -286,6 +301,7 @@ class KVCacheManager:
         *,
         extra_keys: ExtraKeys | None = None,
         cache_blocks: bool = True,
+        max_cached_tokens: int | None = None,
     ) -> int:
         """Start a sequence; with prefix caching, share the cached blocks of its prompt.
 
@@ -305,6 +321,8 @@ class KVCacheManager:
                 so later prompts can share them; its reservations must then
                 give token ids. ``False`` lets it reserve by count, and its
                 blocks are never keyed (the prompt is still looked up).
+            max_cached_tokens: share at most this many leading tokens from the
+                prefix cache (a hybrid manager's hit that every group accepts).
 
         Returns:
             How many leading prompt tokens are already cached (a multiple of
@@ -319,6 +337,7 @@ class KVCacheManager:
         if not isinstance(cache_blocks, bool):
             raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
         extras = encode_extra_keys(extra_keys)
+        max_blocks = self._max_cached_blocks(max_cached_tokens)
         what = "prompt must be a sequence of token ids"
         sharing = self._sharing
         token_ids, tokens = None, b""
@@ -328,13 +347,13 @@ class KVCacheManager:
             token_ids, tokens = pack_token_ids(prompt, what)
         # ---- validated: nothing below can fail ----
         pool = self.pool
-        record = SequenceRecord(seq_id, BlockTable(pool.block_size, self.num_sink_tokens), pool.num_layers)
+        record = SequenceRecord(seq_id, BlockTable(pool.block_size, self.num_sink_tokens), self.num_layers)
         record.extras = extras
         self._seqs[seq_id] = record
         num_hit = 0
         if sharing is not None and token_ids is not None:
             self._counters["prefix_queries"] += len(token_ids)
-            num_hit = sharing.admit(record, token_ids, tokens)
+            num_hit = sharing.admit(record, token_ids, tokens, max_blocks)
             self._counters["prefix_hits"] += num_hit
         if not cache_blocks:
             record.stop_keying()
@@ -542,7 +561,7 @@ class KVCacheManager:
         preempt_record(self._get(seq_id), mode, self.pool, self.host_pool, self._counters)
 
     @locked
-    def resume(self, seq_id: Hashable) -> int:
+    def resume(self, seq_id: Hashable, *, max_cached_tokens: int | None = None) -> int:
         """Bring a preempted or swapped sequence back to running.
 
         A swapped sequence gets its blocks back in whatever device blocks are
@@ -555,14 +574,17 @@ class KVCacheManager:
         Returns:
             Tokens the sequence holds again: all of them after a swap; after a
             recompute preemption the leading tokens found in the prefix cache
-            (a multiple of block_size, never all), else 0.
+            (a multiple of block_size, never all), else 0; at most
+            ``max_cached_tokens`` (as for ``add_sequence``).
 
         Raises:
             UnknownSequenceError: ``seq_id`` is not known.
             SequenceStateError: it is running already.
             PoolExhaustedError: (swapped) not enough free device blocks; nothing changes.
         """
-        return resume_record(self._get(seq_id), self.pool, self.host_pool, self._sharing, self._counters)
+        record = self._get(seq_id)
+        max_blocks = self._max_cached_blocks(max_cached_tokens)
+        return resume_record(record, self.pool, self.host_pool, self._sharing, self._counters, max_blocks)
 
     # ------------------------------------------------------- prefix caching
 
@@ -600,7 +622,11 @@ class KVCacheManager:
 
     @locked
     def lookup(
-        self, prompt: Sequence[int], *, extra_keys: ExtraKeys | None = None
+        self,
+        prompt: Sequence[int],
+        *,
+        extra_keys: ExtraKeys | None = None,
+        max_cached_tokens: int | None = None,
     ) -> AdmissionPlan:
         """What admitting ``prompt`` would find cached and take, changing nothing.
 
@@ -608,7 +634,8 @@ class KVCacheManager:
         ``num_cached_tokens``, and it with one ``reserve`` of the rest of the
         prompt takes exactly ``num_blocks_taken`` blocks, if nothing happens
         in between. The keys computed here are kept for that ``add_sequence``
-        (each block is still hashed once).
+        (each block is still hashed once). ``max_cached_tokens`` caps the hit
+        as it does for ``add_sequence``.
 
         >>> from pagedkv import KVPool, KVCacheManager
         >>> manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), enable_prefix_caching=True)
@@ -619,7 +646,9 @@ class KVCacheManager:
         Raises:
             InputTypeError, ConfigError: a bad token id or extra key.
         """
-        return plan_admission(self._sharing, self.pool.allocator, prompt, extra_keys, self.pool.block_size)
+        max_blocks = self._max_cached_blocks(max_cached_tokens)
+        pool = self.pool
+        return plan_admission(self._sharing, pool.allocator, prompt, extra_keys, pool.block_size, max_blocks)
 
     @locked
     def reset_prefix_cache(self) -> None:
@@ -720,6 +749,16 @@ class KVCacheManager:
     def _get(self, seq_id: Hashable) -> SequenceRecord:
         return self._seqs.record(seq_id)
 
+    def _max_cached_blocks(self, max_cached_tokens: int | None) -> int | None:
+        """``max_cached_tokens`` as whole blocks (None: no cap).
+
+        Raises:
+            InputTypeError, ConfigError: not None or an int >= 0.
+        """
+        if max_cached_tokens is None:
+            return None
+        return check_count("max_cached_tokens", max_cached_tokens, minimum=0) // self.pool.block_size
+
     def _prefix_sharing(self) -> PrefixSharing:
         if self._sharing is None:
             raise ConfigError("prefix caching is off for this manager")
@@ -747,7 +786,8 @@ class KVCacheManager:
         sharing = self._sharing
         max_abs_key = self._max_abs_key
         token = batch._token if batch.__class__ is Batch else None
-        if token is not None and layer.__class__ is int and 0 <= layer < pool.num_layers:
+        num_layers = self.num_layers
+        if token is not None and layer.__class__ is int and 0 <= layer < num_layers:
             seq_id, position, slot, _ = token
             record = records.get(seq_id)
             if (
@@ -768,8 +808,8 @@ class KVCacheManager:
                 if sharing is not None and end // pool.block_size > len(record.block_keys):
                     sharing.key_full_blocks(record)
                 return
-        if layer.__class__ is not int or not 0 <= layer < pool.num_layers:
-            check_layer(layer, pool.num_layers)
+        if layer.__class__ is not int or not 0 <= layer < num_layers:
+            check_layer(layer, num_layers)
         seqs = batch_records(records, batch)
         first_positions, counts = batch.first_positions, batch.num_new_tokens
         for seq, start in zip(seqs, first_positions):
@@ -831,7 +871,7 @@ class KVCacheManager:
         if (
             batch.__class__ is not Batch
             or layer.__class__ is not int
-            or not 0 <= layer < pool.num_layers
+            or not 0 <= layer < self.num_layers
             or (method != "loop" and method != "padded")
         ):
             return None
@@ -862,7 +902,7 @@ class KVCacheManager:
         """
         pool = self.pool
         scan = not self.trusted_inputs
-        check_layer(layer, pool.num_layers)
+        check_layer(layer, self.num_layers)
         if method not in ("loop", "padded"):
             raise ConfigError(f"method must be 'loop' or 'padded', got {method!r}")
         seqs = batch_records(self._seqs, batch)
@@ -908,6 +948,22 @@ def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tupl
             f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
         )
     check_tokens(name, value, dtype, expected)  # raises: no other value fits an empty step
+
+
+def _shared_prefix_cache(pool: KVPool, other: KVCacheManager | None) -> PrefixCache | None:
+    """The prefix cache of ``other`` (a manager on ``pool``) for a new one to run beside, or None.
+
+    Raises:
+        InputTypeError: ``other`` is not a KVCacheManager.
+        ConfigError: it runs on another pool or without prefix caching.
+    """
+    if other is None:
+        return None
+    if not isinstance(other, KVCacheManager):
+        raise InputTypeError(f"share_pool_with must be a KVCacheManager, got {type(other).__name__}")
+    if other.pool is not pool or other.prefix_cache is None:
+        raise ConfigError("share_pool_with must be a prefix-caching manager on the same pool")
+    return other.prefix_cache
 
 
 def _release_manager(

@@ -67,7 +67,7 @@ def preempt_record(
     if mode == "recompute":
         release_record(record, pool, host_pool)
         record.state = SequenceState.PREEMPTED
-        record.num_written = [0] * pool.num_layers
+        record.num_written = [0] * len(record.num_written)
     else:
         host = host_pool_of(host_pool)
         check_settled(record, "swap out")
@@ -85,6 +85,7 @@ def resume_record(
     host_pool: KVPool | None,
     sharing: PrefixSharing | None,
     counters: dict[str, int],
+    max_blocks: int | None = None,
 ) -> int:
     """Bring preempted or swapped ``record`` back to running; return the tokens it holds again.
 
@@ -110,7 +111,7 @@ def resume_record(
     history = record.token_ids
     record.token_ids = []
     # Its block and prompt keys are keys of the history's blocks: the lookup reuses them.
-    num_reused = sharing.share_cached_prefix(record, history, token_bytes(history))
+    num_reused = sharing.share_cached_prefix(record, history, token_bytes(history), max_blocks)
     counters["resumed_reuse"] += num_reused
     return num_reused
 

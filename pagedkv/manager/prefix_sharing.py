@@ -69,6 +69,7 @@ class PrefixSharing:
         num_layers: layers of the pool (a hit counts as written in every one).
         hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix.cache.hash_function`).
         events: where key changes are reported (``kv_events``), or None.
+        share_with: the prefix cache of another KV-cache group on the same pool.
 
     Raises:
         ConfigError: an unknown hash, or the allocator already runs a prefix cache.
@@ -85,6 +86,7 @@ class PrefixSharing:
         num_layers: int,
         hash_algorithm: str,
         events: KVEventBuffer | None = None,
+        share_with: PrefixCache | None = None,
     ) -> None:
         self._hasher = hash_function(hash_algorithm)
         self._allocator = allocator
@@ -93,7 +95,7 @@ class PrefixSharing:
         self._window = window
         self._num_layers = num_layers
         #: The key -> block map itself.
-        self.cache = PrefixCache(allocator)
+        self.cache = PrefixCache(allocator, share_with=share_with)
         self.cache.events = events
         #: Hit rates, cumulative and over the most recent requests.
         self.stats = HitWindow()
@@ -101,15 +103,18 @@ class PrefixSharing:
         self._memo: tuple[bytes, bytes, list[bytes]] | None = None
 
     @classmethod
-    def for_manager(cls, pool: KVPool, config: ManagerConfig) -> PrefixSharing:
+    def for_manager(
+        cls, pool: KVPool, config: ManagerConfig, share_with: PrefixCache | None = None
+    ) -> PrefixSharing:
         """The prefix sharing of a manager on ``pool`` configured with ``config``."""
         return cls(
             pool.allocator,
             block_size=pool.block_size,
             num_sink_tokens=config.num_sink_tokens,
             window=config.window,
-            num_layers=pool.num_layers,
+            num_layers=config.num_layers,
             hash_algorithm=config.hash_algorithm,
+            share_with=share_with,
             events=(
                 KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
             ),
@@ -188,17 +193,23 @@ class PrefixSharing:
                 return num_hit, window_start, held  # type: ignore[return-value]  # all cached: ints
         return 0, sinks, []
 
-    def admit(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
+    def admit(
+        self, record: SequenceRecord, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+    ) -> int:
         """Share the cached prefix of new ``record``'s prompt (``add_sequence``); return its cached tokens.
 
         The same as :meth:`share_cached_prefix`, and the request counts in ``stats``.
         """
-        num_hit = self.share_cached_prefix(record, token_ids, tokens)
+        num_hit = self.share_cached_prefix(record, token_ids, tokens, max_blocks)
         self.stats.record(len(token_ids), num_hit)
         return num_hit
 
-    def share_cached_prefix(self, record: SequenceRecord, token_ids: list[int], tokens: bytes) -> int:
+    def share_cached_prefix(
+        self, record: SequenceRecord, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+    ) -> int:
         """Share the cached blocks a prompt of ``token_ids`` starts from into ``record``; return its tokens.
+
+        ``max_blocks`` caps the hit (the longest hit every KV-cache group accepts).
 
         ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
         Keys ``record`` already has (``block_keys``, then ``prompt_keys``: a
@@ -220,7 +231,7 @@ class PrefixSharing:
             tokens + record.prompt_tokens[len(tokens) :]
         )
         chain = keys if len(keys) >= len(known) else known
-        num_blocks, window_start, held = self.find_hit(keys)
+        num_blocks, window_start, held = self.find_hit(keys if max_blocks is None else keys[:max_blocks])
         record.block_keys = keys[:num_blocks]
         record.prompt_keys = chain[num_blocks:]
         record.prompt_tokens = reference if record.prompt_keys else b""
@@ -391,6 +402,7 @@ def plan_admission(
     prompt: Sequence[int],
     extra_keys: ExtraKeys | None,
     block_size: int,
+    max_blocks: int | None = None,
 ) -> AdmissionPlan:
     """``KVCacheManager.lookup``: the admission of ``prompt`` as ``add_sequence`` would do it; change nothing.
 
@@ -407,7 +419,7 @@ def plan_admission(
         token_ids, tokens = pack_token_ids(prompt, what)
         num_usable = max(0, (len(token_ids) - 1) // block_size)
         keys = sharing.prompt_keys([], tokens, num_usable, extras)
-        num_hit, _, held = sharing.find_hit(keys)
+        num_hit, _, held = sharing.find_hit(keys if max_blocks is None else keys[:max_blocks])
     revived = tuple(block_id for block_id in held if allocator.ref_count(block_id) == 0)
     num_new = ceil_div(len(prompt), block_size) - num_hit
     num_free = allocator.num_free_blocks

@@ -191,7 +191,7 @@ def one_token_id(value: Any) -> bool:
 
 
 def resolve_requests(
-    records: SequenceRegistry, requests: ParsedRequests, *, keyed: bool, num_layers: int
+    records: SequenceRegistry, requests: ParsedRequests, *, keyed: bool
 ) -> list[SequenceRecord]:
     """Each request's record, every request checked: known, once, a count >= 1, settled.
 
@@ -199,7 +199,6 @@ def resolve_requests(
         records: the manager's records.
         requests: from :func:`parse_requests`.
         keyed: prefix caching is on, so a keyed sequence needs token ids, not a count.
-        num_layers: the pool's layers.
 
     Raises:
         UnknownSequenceError, DuplicateSequenceError, ConfigError, InputTypeError,
@@ -223,7 +222,7 @@ def resolve_requests(
         num_written = record.num_written
         num_tokens = record.table.num_tokens
         if record.state is not running or num_written[-1] != num_tokens or (
-            num_layers > 1 and min(num_written) != num_tokens
+            len(num_written) > 1 and min(num_written) != num_tokens
         ):
             check_settled(record, "reserve for")
         if keyed and token_ids is None and record.token_ids is not None:
@@ -347,7 +346,7 @@ def plan_requests(
         what ``KVCacheManager.reserve`` documents for bad requests.
     """
     parsed = parse_requests(requests)
-    chosen = resolve_requests(records, parsed, keyed=keyed, num_layers=pool.num_layers)
+    chosen = resolve_requests(records, parsed, keyed=keyed)
     return plan_reservation([record.table for record in chosen], parsed.counts, pool.allocator, window)
 
 
@@ -679,7 +678,7 @@ def reserve_requests(
     parsed = parse_requests(requests)
     if not parsed:  # an empty step: nothing to plan, stamp or take
         return Batch._issue((), (), (), [], ())
-    chosen = resolve_requests(records, parsed, keyed=keyed, num_layers=pool.num_layers)
+    chosen = resolve_requests(records, parsed, keyed=keyed)
     allocator = pool.allocator
     tables = [record.table for record in chosen]
     num_new, num_cow, num_released, steps = plan_steps(tables, parsed.counts, allocator, window)

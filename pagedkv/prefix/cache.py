@@ -1,22 +1,12 @@
 """Prefix caching: full blocks addressed by a hash of everything before and in them.
 
-A full block's key chains its parent's key, the token ids it holds and the
-sequence's tagged extra keys (tenant salt, adapter id, multimodal input
-hash)::
-
-    key(block 0) = H(ROOT,        tokens[0:16],  extras)
-    key(block 1) = H(key(block 0), tokens[16:32], extras)
-
-so equal keys mean equal prefixes, not just equal blocks. Every field is
-length-prefixed and every extra key carries its kind's tag, so no two
-different inputs encode to the same bytes (vLLM #44701: an adapter name equal
-to a salt once hashed the same).
-
-Hash algorithms: ``"sha256"`` (the default, from the standard library) is
-collision resistant, so a tenant cannot forge a key that maps onto another's
-block (vLLM moved to it after advisory GHSA-rm76-4mrf-v9r8). ``"xxh3_128"``
-(the ``xxhash`` extra) is several times faster per block but not
-cryptographic: use it only when every prompt is trusted.
+A full block's key chains its parent's key, its token ids and the sequence's tagged extra
+keys, so equal keys mean equal prefixes; every field is length-prefixed and tagged, so no two
+inputs encode alike. Hashes: ``"sha256"`` (the default, collision resistant) or
+``"xxh3_128"`` (the ``xxhash`` extra; only when every prompt is trusted). vLLM:
+``hash_block_tokens`` in ``kv_cache_utils.py`` and ``BlockPool``'s cached-block map; SGLang:
+``mem_cache/radix_cache.py``. Drawings, the hash choice and its measurements:
+docs/prefix_caching.md.
 """
 
 from __future__ import annotations
@@ -239,27 +229,55 @@ class PrefixCache:
     (1, 0)
     """
 
-    def __init__(self, allocator: BlockAllocator) -> None:
+    def __init__(self, allocator: BlockAllocator, *, share_with: PrefixCache | None = None) -> None:
         """Run prefix caching on ``allocator``'s blocks.
+
+        Args:
+            allocator: the pool's allocator.
+            share_with: another cache on the same allocator whose blocks this
+                one's sit beside: a KV-cache group's cache beside the others
+                (vLLM keys its one map by ``(hash, group)``; here each group
+                has its map and the allocator tells the owner of a block
+                evicted for reuse).
 
         Raises:
             ConfigError: another prefix cache already runs on this allocator
-                (two would each drop keys the other owns).
+                (two would each drop keys the other owns), or ``share_with``
+                runs on another allocator.
         """
         allocator.release_deferred()  # a dropped manager's cache may still be closing
-        if allocator.on_evict is not None:
+        if share_with is not None:
+            shared_group: _CacheGroup = share_with.sharing_group
+            if share_with.allocator is not allocator or allocator.on_evict is not shared_group:
+                raise ConfigError("share_with must be a running prefix cache on the same allocator")
+            group = shared_group
+        elif allocator.on_evict is not None:
             raise ConfigError(
                 "another prefix cache (another manager with enable_prefix_caching=True) already runs on "
                 "this pool; give each prefix-caching manager a pool of its own"
             )
+        else:
+            group = _CacheGroup()
+            allocator.on_evict = group
+        group.caches.append(self)
+        self._group = group
         self._allocator = allocator
-        allocator.on_evict = self._evicted
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         #: Cached blocks evicted to be reused since creation.
         self.num_evictions = 0
         #: Where key changes are reported (``kv_events``), or None.
         self.events: KVEventBuffer | None = None
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The allocator whose blocks this cache keys."""
+        return self._allocator
+
+    @property
+    def sharing_group(self) -> _CacheGroup:
+        """The caches on this allocator (KV-cache groups): the allocator's ``on_evict``."""
+        return self._group
 
     @property
     def num_cached_blocks(self) -> int:
@@ -360,9 +378,15 @@ class PrefixCache:
         """Drop every key and stop listening to the allocator, so another prefix cache may run on it.
 
         Cached free blocks become plain free blocks; used blocks stay used.
+        The allocator is free for another cache once every cache sharing it
+        (``share_with``) is closed.
         """
         self.reset()
-        self._allocator.on_evict = None
+        group = self._group
+        if self in group.caches:
+            group.caches.remove(self)
+        if not group.caches and self._allocator.on_evict is group:
+            self._allocator.on_evict = None
 
     def _export_state(self) -> tuple[list[tuple[int, bytes]], int]:
         """``([(block_id, key), ...] in insertion order, num_evictions)``: the internal snapshot hook.
@@ -393,12 +417,13 @@ class PrefixCache:
                 raise AssertionError(f"block {block_id} is mapped by a key it does not hold")
             if not allocator.is_cached(block_id):
                 raise AssertionError(f"keyed block {block_id} is not marked cached")
+        keyed = self._group.keyed_block_ids()
         for block_id in range(allocator.num_blocks):
-            if allocator.is_cached(block_id) and block_id not in self._key_of:
+            if allocator.is_cached(block_id) and block_id not in keyed:
                 raise AssertionError(f"block {block_id} is marked cached but has no key")
         cached_free = set(allocator.cached_free_block_ids())
         for block_id in cached_free:
-            if block_id not in self._key_of:
+            if block_id not in keyed:
                 raise AssertionError(f"cached free block {block_id} has no key")
         for block_id in allocator.free_block_ids():
             if block_id in self._key_of:
@@ -412,3 +437,27 @@ class PrefixCache:
         self.num_evictions += 1
         if self.events is not None:
             self.events.removed(key)
+
+
+class _CacheGroup:
+    """The prefix caches sharing one allocator (KV-cache groups): the allocator's ``on_evict``.
+
+    A block id is keyed in at most one of them; an evicted block is dropped
+    by the cache that keyed it.
+    """
+
+    __slots__ = ("caches",)
+
+    def __init__(self) -> None:
+        self.caches: list[PrefixCache] = []
+
+    def __call__(self, block_id: int) -> None:
+        for cache in self.caches:
+            if block_id in cache._key_of:
+                cache._evicted(block_id)
+                return
+        raise AssertionError(f"evicted block {block_id} is keyed by no prefix cache of its allocator")
+
+    def keyed_block_ids(self) -> set[int]:
+        """Every block id some cache of the group keys."""
+        return {block_id for cache in self.caches for block_id in cache._key_of}

@@ -1,38 +1,11 @@
 """KV cache events: what a replica tells a cluster router about the prefixes it holds.
 
-With ``KVCacheManager(..., enable_prefix_caching=True, kv_events=True)`` the
-manager records an event whenever its prefix cache changes, and
-``drain_kv_events()`` hands them over, oldest first:
-
-* :class:`BlockStored` — full blocks got keys (their hashes, the parent
-  block's hash, their token ids), after every layer wrote them;
-* :class:`BlockRemoved` — a keyed block lost its key (evicted for reuse, or
-  rolled back by ``truncate``);
-* :class:`AllBlocksCleared` — ``reset_prefix_cache`` dropped every key.
-
-The classes mirror vLLM's ``vllm.distributed.kv_events`` (v0.33) field for
-field, so a router written for vLLM (llm-d's KV-cache indexer, Dynamo's KV
-router) reads them unchanged; fields pagedkv has no value for stay ``None``.
-A block hash is pagedkv's key (``bytes``, 32 of sha256 or 16 of xxh3_128),
-which vLLM's ``ExternalBlockHash`` allows. ``medium`` is ``"GPU"``: the
-device pool stands for a GPU's memory, as the host pool stands for the CPU's.
-
-The buffer is bounded and never blocks the engine. When an event finds it
-full, the buffer *overflows*: its pending events are dropped (counted in
-``num_dropped``) and the next drain is a resync instead: ``AllBlocksCleared``,
-then a ``BlockStored`` of every block keyed at that moment, parents before
-children. A consumer that applies every drained event in order therefore
-holds exactly the replica's keys after every drain, overflow or not;
-:class:`PrefixIndex` is such a consumer.
-
->>> buffer = KVEventBuffer(max_events=2)
->>> buffer.stored([b"k0", b"k1"], None, [1, 2, 3, 4], block_size=2)
->>> buffer.removed(b"k1")
->>> buffer.stored([b"k2"], b"k0", [5, 6], block_size=2)  # full: overflows
->>> [(type(e).__name__, getattr(e, "block_hashes", None)) for e in buffer.drain()]
-[('AllBlocksCleared', None), ('BlockStored', [b'k0', b'k2'])]
->>> buffer.num_dropped, buffer.num_overflows
-(3, 1)
+:class:`BlockStored`, :class:`BlockRemoved` and :class:`AllBlocksCleared` mirror vLLM's
+``vllm.distributed.kv_events`` (v0.33) field for field, so a router written for vLLM reads
+them unchanged. :class:`KVEventBuffer` is bounded and never blocks the engine: when it
+overflows, the next drain is a resync (``AllBlocksCleared``, then every keyed block), so a
+consumer that applies every drained event in order holds exactly the replica's keys;
+:class:`PrefixIndex` is such a consumer. See "KV events" in docs/prefix_caching.md.
 """
 
 from __future__ import annotations
@@ -150,6 +123,16 @@ class KVEventBuffer:
 
     Raises:
         InputTypeError, ConfigError: ``max_events`` is not an int >= 1.
+
+    Example:
+        >>> buffer = KVEventBuffer(max_events=2)
+        >>> buffer.stored([b"k0", b"k1"], None, [1, 2, 3, 4], block_size=2)
+        >>> buffer.removed(b"k1")
+        >>> buffer.stored([b"k2"], b"k0", [5, 6], block_size=2)  # full: overflows
+        >>> [(type(e).__name__, getattr(e, "block_hashes", None)) for e in buffer.drain()]
+        [('AllBlocksCleared', None), ('BlockStored', [b'k0', b'k2'])]
+        >>> buffer.num_dropped, buffer.num_overflows
+        (3, 1)
     """
 
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS, *, sliding_window: int | None = None) -> None:

@@ -1,25 +1,11 @@
 """Extra keys: what besides token ids decides whether two blocks may be shared.
 
-Three kinds, each hashed with its tag so ``"x"`` as a salt and ``"x"`` as an
-adapter never collide (vLLM #44701):
-
-* ``salt`` (a tenant) and ``adapter`` (a LoRA id) hold for the whole sequence
-  and are mixed into every block's key;
-* ``multimodal`` is either one value for the whole sequence, or a list of
-  items ``(identifier, offset, length)``: an image whose placeholder tokens
-  are ``offset .. offset + length - 1``. An item is mixed only into the blocks
-  that overlap its placeholders, as vLLM does, so two prompts with the same
-  text before different images share the blocks before them; the chain of
-  keys carries the item into every later block::
-
-      block_size 4, an image at tokens 6..9:
-          | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 ...
-            text      image     image       text (its key chains the image's)
-
-Encoding: every field is tagged and length-prefixed, so no two different
-inputs encode to the same bytes. Whole-sequence kinds come first, sorted;
-items follow in one ``R`` field. Without items the bytes are those pagedkv
-always wrote, so keys (and snapshots) of older versions stay valid.
+Three kinds, each hashed with its tag, so ``"x"`` as a salt and as an adapter never collide:
+``salt`` (a tenant) and ``adapter`` (a LoRA id) are mixed into every block's key;
+``multimodal`` is one value for the whole sequence or items ``(identifier, offset, length)``,
+each mixed only into the blocks its placeholder tokens overlap. vLLM:
+``generate_block_hash_extra_keys`` in ``kv_cache_utils.py``. The encoding and a drawing:
+"Multimodal inputs" in docs/prefix_caching.md.
 """
 
 from __future__ import annotations

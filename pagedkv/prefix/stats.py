@@ -1,16 +1,9 @@
 """Prefix-cache hit rates: since the start (or the last reset), and over the most recent requests.
 
-vLLM reports both: the cumulative rate says how the cache has done, the
-recent one how it does now (after a workload shift the cumulative rate lags
-for a long time). A *request* here is one ``add_sequence`` with a prompt; its
-queries are the prompt's tokens and its hits the tokens found cached.
-
->>> window = HitWindow(max_requests=2)
->>> for queries, hits in [(10, 0), (10, 10), (10, 5)]:
-...     window.record(queries, hits)
->>> stats = window.stats(num_queries=30, num_hits=15)  # the cumulative counts are the manager's
->>> stats.hit_rate, stats.recent_hit_rate, stats.num_recent_requests
-(0.5, 0.75, 2)
+Both, as vLLM reports them (``PrefixCachingMetrics`` for the recent rate): the cumulative rate
+says how the cache has done, the recent one how it does now. A *request* is one
+``add_sequence`` with a prompt; its queries are the prompt's tokens and its hits the tokens
+found cached.
 """
 
 from __future__ import annotations
@@ -58,6 +51,14 @@ class HitWindow:
     Invariants:
         * the window holds at most ``max_requests`` entries;
         * its sums equal the sums of its entries.
+
+    Example:
+        >>> window = HitWindow(max_requests=2)
+        >>> for queries, hits in [(10, 0), (10, 10), (10, 5)]:
+        ...     window.record(queries, hits)
+        >>> stats = window.stats(num_queries=30, num_hits=15)  # the cumulative counts are the manager's
+        >>> stats.hit_rate, stats.recent_hit_rate, stats.num_recent_requests
+        (0.5, 0.75, 2)
     """
 
     def __init__(self, max_requests: int = RECENT_REQUESTS) -> None:

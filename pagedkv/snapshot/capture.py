@@ -60,6 +60,20 @@ def save(obj: KVCache | KVCacheManager, path: str | os.PathLike[str]) -> None:
             permission: the ``OSError`` is its ``__cause__``). A file already
             at ``path`` is then left exactly as it was.
         ImportError: safetensors is missing (the ``snapshot`` extra).
+
+    Example:
+        >>> import os, tempfile
+        >>> from pagedkv import KVCache
+        >>> from pagedkv.snapshot import load
+        >>> cache = KVCache(max_size=4, block_size=2)
+        >>> outputs = [cache.attend([1.0], [0.5], [float(i)]) for i in range(6)]
+        >>> path = os.path.join(tempfile.mkdtemp(), "cache.safetensors")
+        >>> save(cache, path)
+        >>> twin = load(path)
+        >>> twin.attend([1.0], [0.5], [6.0]) == cache.attend([1.0], [0.5], [6.0])
+        True
+        >>> twin.block_ids == cache.block_ids
+        True
     """
     path = check_path(path)
     safetensors_numpy()  # fail on a missing extra before any work

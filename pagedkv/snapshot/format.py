@@ -1,19 +1,10 @@
 """The snapshot file: safetensors, a checksum, an atomic write, and a read that checks first.
 
-The file is safetensors (read through ``safetensors.numpy``, the
-``snapshot`` extra); no pickle anywhere::
-
-    8 bytes    n, the JSON header's length, little endian
-    n bytes    JSON header: each tensor's dtype, shape and byte offsets, and
-               __metadata__ = {format, version, state (JSON text), checksum}
-    the rest   tensor bytes, pages of the saved blocks only:
-                 device.keys.{layer}        (num_kv_heads, num_saved, block_size, head_dim)
-                 device.values.{layer}      floats, or codes (int8; fp8 as uint8)
-                 device.key_scales.{layer}  (num_kv_heads, num_saved, block_size, num_groups)
-                 host.keys.{layer} ...      the host tier, when there is one
-
-This module knows nothing of caches or managers: it writes a state (any
-JSON object) and named tensors, and reads them back.
+safetensors (the ``snapshot`` extra), no pickle: the header's length, a JSON header whose
+``__metadata__`` holds the format, version, state and checksum, then the pages of the saved
+blocks only. This module knows nothing of caches or managers: it writes a state (any JSON
+object) and named tensors, and reads them back. The byte layout and tensor names: "The file"
+in docs/snapshots.md; why ``safetensors.numpy.save_file`` is not used: "Atomic save" there.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Prefix keys on load: recompute every sequence's keys, and keep a block's key only if one vouches for it.
 
-The checksum is no signature: a re-signed file could put tenant V's block
-key on a block holding another tenant's keys and values, and V's next
-identical prompt would hit it. So a load believes a key only when the rest
-of the file implies it:
-
-* every sequence with token ids must carry exactly the key chain its token
-  ids and extra keys hash to (``block_keys`` recomputed from ``ROOT_KEY``);
-  a sequence whose keys differ is refused;
-* a block keeps its prefix key only when some running sequence holds it at
-  logical block ``j`` and that sequence's key ``j`` is that key; a sequence
-  whose recomputed key ``j`` differs is refused (the key names other
-  contents than the block holds);
-* a key that no sequence vouches for -- on a cached free block, which no
-  sequence holds any more, or on a block held only by sequences without
-  token ids -- is dropped: the block becomes a plain free (or plain used)
-  block. That is always safe: only a cache hit is lost. Keys of sequences
-  without token ids (added with ``cache_blocks=False``), which nothing can
-  recompute, are dropped too: a swap-in would register them again.
-
-``trust_cached_keys=True`` keeps the unvouched keys (a file you wrote
-yourself and nobody else could change); contradictions are refused still.
-
-    sequence v   token ids t0..t7, salt "v"   keys [k0, k1]   table [b3, b4]
-    prefix keys  b3: k0  b4: k1   -> both vouched (v holds them at 0 and 1)
-    forged       b9: k0           -> b9 is held by w at 0 with key w0 != k0: refused
-    forged       b6: k0 (free)    -> nobody holds b6: dropped, v's prompt misses
+The checksum is no signature, so a load believes a block's prefix key only when a running
+sequence holds the block at logical block ``j`` and that sequence's recomputed key ``j`` is
+that key. A key nobody vouches for is dropped (only a cache hit is lost); a contradiction
+refuses the file. ``trust_cached_keys=True`` keeps unvouched keys. The rules and a worked
+example: "Prefix keys: what a load believes" in docs/snapshots.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The JSON form of a snapshot's state: a typed reader, the encoders, and the checks loads share.
 
-The state, as JSON (block ids are plain ints; bytes are hex)::
-
-    {"kind": "KVCacheManager",
-     "manager": {layer_max_sizes, num_sink_tokens, num_q_heads, scale,
-                 enable_prefix_caching, hash_algorithm, max_abs_key, counters,
-                 prefix: {keys: [[block_id, key], ...] in LRU-relevant order,
-                          num_evictions},
-                 sequences: [{seq_id: ["s", "a"] | ["i", 7], state, num_written,
-                              token_ids, block_keys, extras,
-                              table: {num_tokens, window_start, first_block,
-                                      sink_ids, window_ids}}, ...]},
-     "pools": {"device": {config, saved_ids, allocator: {used: [[id, ref_count]],
-                          free_runs: [[first_id, length]] in queue order,
-                          cached_free (LRU order), cached}},
-               "host": {...}}}
-
-A cache snapshot has ``"kind": "KVCache"``, a ``"cache"`` object (its
-configuration, ``private``, ``max_abs_key``, ``kv_shape`` and ``table``) and
-at most a ``"device"`` pool, with an ``allocator`` only when the pool was
-the cache's own.
-
-Every check here raises :class:`~pagedkv.errors.SnapshotError` naming the
-field's path (``state.manager.sequences[2].table.num_tokens``).
+The state is one JSON object (block ids plain ints, bytes as hex): its ``kind``
+(``"KVCacheManager"`` or ``"KVCache"``), the manager's or the cache's own state, and its
+``pools`` (each one's configuration, saved block ids and allocator state); the full layout is
+drawn in "The state" in docs/snapshots.md. Every check here raises
+:class:`~pagedkv.errors.SnapshotError` naming the field's path
+(``state.manager.sequences[2].table.num_tokens``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Test kit for KV caches: the naive oracle, Hypothesis strategies and a state machine.
 
-Run pagedkv's stateful property tests on any cache with the seed's
-``attend(q, k, v)``; see ``docs/testing.md``. The oracle and the contract
-check need nothing but Python; the strategies and the state machine need
-Hypothesis (``pip install "pagedkv[test]"``) and are imported on first use.
-
-* :mod:`~pagedkv.testing.oracle`: the naive oracle (plain lists, ``math.exp``);
-* :mod:`~pagedkv.testing.contract`: :class:`CheckedCache`, the seed contract as a check;
-* :mod:`~pagedkv.testing.strategies`: shapes, window sizes and tokens;
-* :mod:`~pagedkv.testing.machine`: :class:`CacheMachine`, :func:`make_cache_machine`;
-* :mod:`~pagedkv.testing.stateful`: :func:`run_cache_machine`, :func:`check_cache`;
-* :mod:`~pagedkv.testing.verdict`: :class:`Verdict`, what a run found;
-* :mod:`~pagedkv.testing.program`: failing runs as runnable programs;
-* :mod:`~pagedkv.testing.factory_code`: the source that imports a factory in a program;
-* :mod:`~pagedkv.testing.shrink`: the program shrinker;
-* :mod:`~pagedkv.testing.buggy`: caches with planted bugs, the kit's own fixtures;
-* :mod:`~pagedkv.testing.check`: the ``pagedkv check`` command.
-
->>> from pagedkv.testing import check_cache
->>> from pagedkv.testing.buggy import EvictsAfterScoring
->>> check_cache(EvictsAfterScoring, max_examples=50, seed=0).passed
-False
+Runs pagedkv's stateful property tests on any cache with the seed's ``attend(q, k, v)``, the
+way zarr ships ``zarr.testing.stateful`` for other stores. The oracle and the contract check
+need nothing but Python; the strategies and the state machine need Hypothesis
+(``pip install "pagedkv[test]"``) and are imported on first use. Start at
+:func:`check_cache`; the modules, one concept each (oracle, contract, strategies, machine,
+stateful, verdict, program, factory_code, shrink, buggy, check), are mapped in
+docs/testing.md ("Where the code is").
 """
 
 from __future__ import annotations

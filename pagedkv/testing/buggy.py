@@ -1,30 +1,11 @@
 """Small caches with planted bugs, shipped as fixtures: the state machine must catch each one.
 
-Each is a one-head cache (``q``, ``k``, ``v`` are vectors ``[d]``) with the
-seed's ``attend(q, k, v)`` and ``__init__(self, max_size=None)``, a few lines
-long, wrong in exactly one way that real KV caches get wrong:
-
-=====================  =============================================================
-``SeedCache``          correct: the seed exercise solved (the control)
-``EvictsAfterScoring`` scores over ``W + 1`` entries, then evicts
-``WindowOneTooLong``   keeps ``W + 1`` entries
-``DropsCurrentToken``  scores before appending, so a token never sees itself
-``NaiveSoftmax``       ``exp(score)`` without subtracting the maximum: overflows
-``FreesBlockEarly``    paged (numpy, block_size 2): frees its oldest block when the
-                       block's first token is evicted, while its second is cached
-``KeepsTokensOnClass`` keeps its tokens in lists in the class body, shared by every
-                       instance: a cache fails only after another one ran
-=====================  =============================================================
-
-Every one of them passes the seed's own example, which is the point:
-
->>> {cls().attend([1.0], [1.0], [42.0])[0] for cls in PLANTED_BUGS.values()}
-{42.0}
-
-``KeepsTokensOnClass`` is not in :data:`PLANTED_BUGS`: its first instance is
-right, and each later one sees its predecessors' tokens, so whether it fails
-depends on what ran before in the same process; the kit must say so rather
-than print a program that passes when run alone.
+Each is a one-head cache with the seed's ``attend(q, k, v)`` and ``__init__(self,
+max_size=None)``, a few lines long, wrong in exactly one way real KV caches get wrong (scoring
+before evicting, a window one too long, a naive softmax, a block freed early, ...), and each
+passes the seed's own example (see :class:`SeedCache`). :data:`PLANTED_BUGS` names them all but
+``KeepsTokensOnClass``, whose failure depends on what ran before in the same process. The
+table of bugs and what the kit prints for each: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -60,7 +41,13 @@ def _attention(q: Vector, keys: Sequence[Vector], values: Sequence[Vector]) -> l
 
 
 class SeedCache:
-    """The seed exercise, solved: append, evict the oldest past ``max_size``, then score."""
+    """The seed exercise, solved: append, evict the oldest past ``max_size``, then score.
+
+    Every planted bug passes the seed's own example too, which is the point:
+
+    >>> {cls().attend([1.0], [1.0], [42.0])[0] for cls in PLANTED_BUGS.values()}
+    {42.0}
+    """
 
     def __init__(self, max_size: int | None = None) -> None:
         self.max_size = max_size

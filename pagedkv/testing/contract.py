@@ -1,36 +1,11 @@
 """The seed contract as a check: the cache under test beside the oracle, every output compared.
 
-:class:`CheckedCache` wraps any object with the seed's ``attend(q, k, v)``. Each
-call appends the token to a plain history, asks the oracle
-(:func:`pagedkv.testing.oracle.attend`) for the attention of ``q`` over the last
-``min(n, max_size)`` tokens, calls the cache, and raises
-:class:`ContractError` when
-
-* the output's shape differs from ``q``'s, or a value is not finite;
-* a value is farther from the oracle than :func:`error_bounds` allows;
-* ``len(cache)`` (if the cache has one) is not ``min(n, max_size)``;
-* ``cache.check_invariants()`` (if it has one) raises.
-
-On a wrong output the message says which window of the token stream the output
-*does* match: the last ``W + 1`` tokens (eviction after scoring, or a window one
-token too long), the earlier tokens without the current one (the current token
-dropped), and so on. Pure Python, no Hypothesis, no numpy: the state machine of
-:mod:`pagedkv.testing.stateful` runs through this class, and so does every
-reproducer it prints.
-
->>> class Seed:  # the seed exercise, solved
-...     def __init__(self, max_size=None):
-...         self.max_size, self.entries = max_size, []
-...     def attend(self, q, k, v):
-...         self.entries.append((k, v))
-...         if self.max_size is not None and len(self.entries) > self.max_size:
-...             del self.entries[0]
-...         return attend(q, [k for k, _ in self.entries], [v for _, v in self.entries])[0]
->>> cache = CheckedCache(Seed(max_size=1), max_size=1)
->>> cache.attend([1.0], [1.0], [42.0])
-[42.0]
->>> cache.attend([0.0], [0.0], [1.0])
-[1.0]
+:class:`CheckedCache` wraps any object with the seed's ``attend(q, k, v)`` and raises
+:class:`ContractError` when an output has the wrong shape, is not finite or is farther from
+the oracle over the last ``min(n, max_size)`` tokens than :func:`error_bounds` allows, or when
+``len(cache)`` or ``cache.check_invariants()`` disagrees; the message names the window the
+output does match. Pure Python: the state machine and every printed program run through it.
+The checks and the error bound: "What the machine checks" in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -253,6 +228,21 @@ class CheckedCache:
     Raises:
         ContractError: ``len(cache)`` is not 0, or ``check_invariants()``
             raises, on the new cache.
+
+    Example:
+        >>> class Seed:  # the seed exercise, solved
+        ...     def __init__(self, max_size=None):
+        ...         self.max_size, self.entries = max_size, []
+        ...     def attend(self, q, k, v):
+        ...         self.entries.append((k, v))
+        ...         if self.max_size is not None and len(self.entries) > self.max_size:
+        ...             del self.entries[0]
+        ...         return attend(q, [k for k, _ in self.entries], [v for _, v in self.entries])[0]
+        >>> cache = CheckedCache(Seed(max_size=1), max_size=1)
+        >>> cache.attend([1.0], [1.0], [42.0])
+        [42.0]
+        >>> cache.attend([0.0], [0.0], [1.0])
+        [1.0]
     """
 
     def __init__(

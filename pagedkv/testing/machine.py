@@ -1,28 +1,12 @@
 """The conformance state machine: any KV cache, driven beside the oracle, every step checked.
 
-A :class:`CacheMachine` is built per example from two objects passed in, as
-zarr's packaged machines take their store: :class:`MachineOptions`, what to
-check (the factory, the token shapes and windows to draw, how tokens are fed),
-frozen and shared by every run; and a :class:`MachineRun`, what one run has
-found so far (its counters and its failure), made fresh for each run. Nothing
-mutable lives on a class, so two runs in one process, one after the other or
-one inside the other, cannot see each other's counts or failures.
-
-Each example draws, once and tiny, a token shape (one head, many heads,
-grouped-query), a magnitude tier and a window ``W`` (``None`` or 1..6, so
-windows wrap all the time); then it interleaves
-
-* ``attend``: a fresh token on one of the caches, checked by
-  :class:`~pagedkv.testing.contract.CheckedCache` against the oracle (append
-  before scoring, evict before scoring, an exact window of ``min(n, W)``
-  tokens), with ``len(cache)`` and ``cache.check_invariants()`` when the cache
-  has them;
-* ``open_cache``: another cache from the same factory, with its own window
-  (caches must not share state).
-
-At the end of each example every cache's ``close()`` is called, if it has one.
-Building a machine class for a factory (``make_cache_machine``), running it
-and judging the run are :mod:`~pagedkv.testing.stateful`'s job.
+A :class:`CacheMachine` is built per example from a frozen :class:`MachineOptions` (what to
+check) and a fresh :class:`MachineRun` (what this run found), as zarr's packaged machines take
+their store, so two runs never share state. Each example draws a token shape, a magnitude
+tier and a window ``W`` once and tiny, then interleaves ``attend`` (checked by
+:class:`~pagedkv.testing.contract.CheckedCache`) and ``open_cache`` (another cache with its
+own window); at the end every cache's ``close()`` runs. Building, running and judging a
+machine: :mod:`~pagedkv.testing.stateful`; the rules in full: docs/testing.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The calls a state-machine run made, and how to print them as a runnable Python program.
 
-The machine records every step (a cache built by the factory, an ``attend``)
-as it runs. When a run fails, :func:`render_program` turns the shrunk run's
-steps into a standalone script: it imports the factory, builds each cache
-wrapped in :class:`~pagedkv.testing.contract.CheckedCache`, and replays the
-``attend`` calls with their exact float values; the last line raises the same
-error. No Hypothesis is needed to run it.
-
-:func:`replay_alone` runs a printed program in a new Python process, as a
-reader would, to learn whether it fails on its own or only after earlier runs
-left state behind (in a class attribute, a module global).
-
-Running a step is defined once, here (:func:`open_step`, :func:`attend_step`):
-the state machine, :func:`replay` and the shrinker all go through it. Naming
-the factory in the program's imports is :mod:`~pagedkv.testing.factory_code`'s
-job; making the program small is :mod:`~pagedkv.testing.shrink`'s.
-
->>> code = FactoryCode.from_spec("pagedkv.testing.buggy:EvictsAfterScoring")
->>> steps = [OpenStep("cache_0", 1), AttendStep("cache_0", [0.0], [0.0], [1.0], [1.0])]
->>> print(render_program(steps, factory=code, failure="..."))  # doctest: +ELLIPSIS
-# The shrunk failing program found by pagedkv's conformance state machine.
-...
-from pagedkv.testing.buggy import EvictsAfterScoring
-from pagedkv.testing.contract import CheckedCache
-<BLANKLINE>
-cache_0 = CheckedCache(EvictsAfterScoring(max_size=1), max_size=1, name='cache_0')
-cache_0.attend([0.0], [0.0], [1.0])  # oracle: [1.0]  <- fails here
-<BLANKLINE>
+Running a step is defined once, here (:func:`open_step`, :func:`attend_step`): the machine,
+:func:`replay` and the shrinker all go through it. :func:`render_program` turns a shrunk run
+into a standalone script, no Hypothesis needed, whose last line raises the same error;
+:func:`replay_alone` runs it in a new Python process, to learn whether it fails on its own or
+only after earlier runs left state behind (a class attribute, a module global). Naming the
+factory: :mod:`~pagedkv.testing.factory_code`; shrinking: :mod:`~pagedkv.testing.shrink`.
 """
 
 from __future__ import annotations
@@ -137,6 +116,19 @@ def render_program(
 
     Returns:
         The program's source, ending in a newline.
+
+    Example:
+        >>> code = FactoryCode.from_spec("pagedkv.testing.buggy:EvictsAfterScoring")
+        >>> steps = [OpenStep("cache_0", 1), AttendStep("cache_0", [0.0], [0.0], [1.0], [1.0])]
+        >>> print(render_program(steps, factory=code, failure="..."))  # doctest: +ELLIPSIS
+        # The shrunk failing program found by pagedkv's conformance state machine.
+        ...
+        from pagedkv.testing.buggy import EvictsAfterScoring
+        from pagedkv.testing.contract import CheckedCache
+        <BLANKLINE>
+        cache_0 = CheckedCache(EvictsAfterScoring(max_size=1), max_size=1, name='cache_0')
+        cache_0.attend([0.0], [0.0], [1.0])  # oracle: [1.0]  <- fails here
+        <BLANKLINE>
     """
     lines = ["# The shrunk failing program found by pagedkv's conformance state machine."]
     if label:

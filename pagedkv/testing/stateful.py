@@ -1,22 +1,10 @@
 """Run the conformance state machine and judge the run: a :class:`Verdict`, never an exception.
 
-:func:`make_cache_machine` builds a Hypothesis
-``RuleBasedStateMachine`` around a *factory*, any callable that
-``factory(max_size=None)`` or ``factory(max_size=W)`` turns into an object with
-the seed's ``attend(q, k, v)`` (see :mod:`~pagedkv.testing.machine`).
-:func:`run_cache_machine` runs a machine with a seed and returns a
-:class:`Verdict`: passed, with how many examples and calls; or the shrunk
-failing program as runnable Python. :func:`check_cache` does both.
-
-Each run gets its own :class:`~pagedkv.testing.machine.MachineRun`, handed to
-every example's machine, so runs in one process never share counts or
-failures, even one started inside another. A failing program is replayed
-alone in a new Python process before it is reported, so a failure that needs
-state left by earlier examples is reported as that, not as a program that passes.
-
->>> from pagedkv.testing.buggy import SeedCache
->>> check_cache(SeedCache, max_examples=5, seed=0).passed
-True
+:func:`make_cache_machine` builds a Hypothesis ``RuleBasedStateMachine`` around a *factory*,
+any callable that ``factory(max_size=None)`` or ``factory(max_size=W)`` turns into an object
+with the seed's ``attend(q, k, v)``; :func:`run_cache_machine` runs it with a seed, each run
+with its own :class:`~pagedkv.testing.machine.MachineRun`, and replays a failing program alone
+in a new Python process before reporting it; :func:`check_cache` does both.
 """
 
 from __future__ import annotations
@@ -322,6 +310,13 @@ def check_cache(
 
     Returns:
         The :class:`Verdict`.
+
+    Example:
+        >>> from pagedkv.testing.buggy import EvictsAfterScoring, SeedCache
+        >>> check_cache(SeedCache, max_examples=5, seed=0).passed
+        True
+        >>> check_cache(EvictsAfterScoring, max_examples=50, seed=0).passed
+        False
     """
     machine = make_cache_machine(factory, **options)
     return run_cache_machine(

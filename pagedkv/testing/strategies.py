@@ -1,17 +1,9 @@
 """Hypothesis strategies for KV-cache tests: shapes, window sizes, and tokens (q, k, v).
 
-Tokens are plain nested lists of Python floats, the seed's input:
-``[d]`` for one head, ``[[d] * num_heads]`` for many. Every value is finite and
-bounded by a *magnitude* drawn once per example from three tiers: ``4`` (small,
-readable, the common case), ``1e3`` (scores near 1e6: a softmax that forgets to
-subtract the maximum overflows) and :func:`max_magnitude` (the largest power of
-ten whose scores still cannot overflow, see there). Within an example, values
-mix the small tier with the drawn one, so cancellation and huge-beside-tiny
-both occur.
-
->>> shape = Shape(head_dim=2, num_q_heads=4, num_kv_heads=2)
->>> shape.q_shape, shape.kv_shape
-((4, 2), (2, 2))
+Tokens are plain nested lists of Python floats (``[d]`` for one head, ``[[d] * num_heads]``
+for many), finite and bounded by a magnitude tier drawn once per example: ``4``, ``1e3`` (a
+softmax that forgets the maximum overflows) or :func:`max_magnitude`; values mix the small
+tier with the drawn one. Why those tiers: "Values" in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -72,6 +64,11 @@ class Shape:
     Raises:
         ValueError: a count below 1, only one of the head counts given, or
             ``num_kv_heads`` not dividing ``num_q_heads``.
+
+    Example:
+        >>> shape = Shape(head_dim=2, num_q_heads=4, num_kv_heads=2)
+        >>> shape.q_shape, shape.kv_shape
+        ((4, 2), (2, 2))
     """
 
     head_dim: int
