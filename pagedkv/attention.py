@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.memory.pool import KVPool
-from pagedkv.memory.quantization import QuantizedTokens, Tokens
+from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 
 __all__ = [
     "CHUNK_TOKENS",
@@ -252,17 +252,54 @@ def attend_padded(
 # ---------------------------------------------- quantized pages: dequantized chunk by chunk
 # The cache is never dequantized: the window is, CHUNK_TOKENS tokens at a time counted from its
 # first token, so chunk boundaries depend only on logical positions and the paged cache and the
-# no-cache recompute run the same arithmetic on the same codes (docs/quantization.md).
+# no-cache recompute run the same arithmetic on the same codes (docs/quantization.md). Each chunk
+# is decoded from the stored bytes into one per-thread float buffer, token-major (c, H, d) and
+# contiguous whatever the codes' strides, so every path hands BLAS the same numbers and strides.
 
 
-#: Tokens dequantized at a time by the chunked kernels (see benchmarks/bench_quant_snapshot.py).
+#: Tokens dequantized at a time by the chunked kernels (see benchmarks/bench_formats.py).
 CHUNK_TOKENS = 1024
+
+#: Up to this many rows per kv head (a decode's grouped query heads) scales are folded into the
+#: scores and weights; more rows (a prefill chunk) multiply each chunk's values by them instead.
+#:
+#: NOTE: folding skips a pass over every decoded value (the multiply by a scale per group of 32),
+#: which cost more than the int8 widening itself, for a matmul with ``num_groups`` times the
+#: columns: keys 495 -> 272 us, values 450 -> 371 us per 1024-token int8 chunk at H=8, d=128
+#: (one thread, warm). A prefill's matmul is compute-bound, and four times its work would cost
+#: more than the pass saves. The choice depends only on the shape, so every path rounds alike.
+FOLD_MAX_ROWS = 8
 
 
 def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+    """Tokens ``start .. end - 1`` as floats ``(num_kv_heads, end - start, head_dim)``: a view.
+
+    Of the float tokens themselves, or of this thread's chunk buffer, valid
+    until the thread's next quantized chunk.
+    """
     if isinstance(tokens, QuantizedTokens):
-        return tokens.dequantize(start, end, dtype)
+        heads, _, head_dim = tokens.shape
+        out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
+        tokens.decode_into(start, end, out)
+        heads_first: npt.NDArray[np.floating] = out.transpose(1, 0, 2)
+        return heads_first
     return tokens[:, start:end]
+
+
+def _widened(
+    tokens: QuantizedTokens, start: int, end: int, dtype: np.dtype[Any]
+) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+    """A scaled chunk's codes ``(H, c, d)`` (a view of this thread's buffer), its scales ``(H, c, G)``."""
+    heads, _, head_dim = tokens.shape
+    out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
+    scales = tokens.widen_into(start, end, out)
+    assert scales is not None  # a scaled format always has them (_folds checked)
+    return out.transpose(1, 0, 2), scales.transpose(1, 0, 2)
+
+
+def _folds(tokens: Tokens, num_rows: int) -> bool:
+    """Whether a chunk of ``tokens`` is read with its scales folded in (see ``FOLD_MAX_ROWS``)."""
+    return isinstance(tokens, QuantizedTokens) and tokens.storage.scaled and num_rows <= FOLD_MAX_ROWS
 
 
 def _chunks(num_tokens: int) -> list[tuple[int, int]]:
@@ -276,10 +313,32 @@ def _chunks(num_tokens: int) -> list[tuple[int, int]]:
 def _weighted_values(
     weights: npt.NDArray[np.floating], values: Tokens, dtype: np.dtype[Any]
 ) -> npt.NDArray[np.floating]:
-    """``weights (num_kv_heads, rows, num_tokens) @ values``, chunk by chunk, in chunk order."""
+    """``weights (num_kv_heads, rows, num_tokens) @ values``, chunk by chunk, in chunk order.
+
+    Folded scales: a group's output is ``sum_t (w_t s_tg) c_tg``, so each
+    row's weights times each group's scales make ``num_groups`` rows of one
+    matmul over the codes, of whose ``(rows, head_dim)`` results each group
+    keeps its own columns::
+
+        weights (H, R, c) x scales (H, c, G) -> (H, G * R, c) @ codes (H, c, d) -> (H, G, R, G, gs)
+        out[h, r, g * gs : (g + 1) * gs] = that[h, g, r, g, :]
+    """
+    num_kv_heads, num_rows, _ = weights.shape
     out: npt.NDArray[np.floating] | None = None
     for start, end in _chunks(values.shape[1]):
-        part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
+        if isinstance(values, QuantizedTokens) and _folds(values, num_rows):
+            codes, scales = _widened(values, start, end, dtype)
+            num_groups = scales.shape[-1]
+            group_size = codes.shape[-1] // num_groups
+            scaled = weights[:, :, start:end, None] * scales[:, None]  # (H, R, c, G)
+            stacked = scaled.transpose(0, 3, 1, 2).reshape(num_kv_heads, num_groups * num_rows, end - start)
+            every = np.matmul(stacked, codes)  # (H, G * R, d)
+            every = every.reshape(num_kv_heads, num_groups, num_rows, num_groups, group_size)
+            diagonal = np.arange(num_groups)
+            own = every[:, diagonal, :, diagonal]  # (G, H, R, gs): advanced indices first
+            part = own.transpose(1, 2, 0, 3).reshape(num_kv_heads, num_rows, -1)
+        else:
+            part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
         if out is None:
             out = part
         else:
@@ -291,16 +350,43 @@ def _weighted_values(
 def _scores(
     grouped: npt.NDArray[np.floating], keys: Tokens, dtype: np.dtype[Any]
 ) -> npt.NDArray[np.floating]:
-    """``grouped (num_kv_heads, rows, head_dim) @ keys^T``, chunk by chunk."""
-    num_kv_heads, num_tokens, _ = keys.shape
-    scores = np.empty((num_kv_heads, grouped.shape[1], num_tokens), dtype)
+    """``grouped (num_kv_heads, rows, head_dim) @ keys^T``, chunk by chunk.
+
+    Folded scales: score ``t`` is ``sum_g s_tg (c_tg . q_g)``: the query,
+    laid block-diagonally over the groups, scores each group of the codes
+    in one matmul, and the scales weigh the ``num_groups`` partial scores::
+
+        codes (H, c, d) @ blocks (H, d, G * R) -> (H, c, G, R) . scales (H, c, G) -> (H, R, c)
+    """
+    num_kv_heads, num_tokens, head_dim = keys.shape
+    num_rows = grouped.shape[1]
+    scores = np.empty((num_kv_heads, num_rows, num_tokens), dtype)
+    if _folds(keys, num_rows):
+        assert isinstance(keys, QuantizedTokens)
+        num_groups = keys.storage.num_groups
+        group_size = head_dim // num_groups
+        blocks = np.zeros((num_kv_heads, num_groups, group_size, num_groups, num_rows), dtype)
+        by_group = grouped.reshape(num_kv_heads, num_rows, num_groups, group_size)
+        for group in range(num_groups):
+            blocks[:, group, :, group, :] = by_group[:, :, group, :].transpose(0, 2, 1)
+        blocks_2d = blocks.reshape(num_kv_heads, head_dim, num_groups * num_rows)
+        for start, end in _chunks(num_tokens):
+            codes, scales = _widened(keys, start, end, dtype)
+            partial = np.matmul(codes, blocks_2d).reshape(num_kv_heads, end - start, num_groups, num_rows)
+            scores[:, :, start:end] = np.einsum("hcgr,hcg->hrc", partial, scales)
+        return scores
     query_t = grouped.transpose(0, 2, 1)
     for start, end in _chunks(num_tokens):
-        # NOTE: keys @ query^T rather than query @ keys^T: with several rows
-        # (grouped-query heads, prefill) numpy falls back from BLAS for the
-        # transposed right operand; this form stays on BLAS (measured 3x).
-        part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
-        scores[:, :, start:end] = part.transpose(0, 2, 1)
+        if num_rows > FOLD_MAX_ROWS:
+            # NOTE: many rows (a prefill chunk): query @ keys^T straight into
+            # the scores saves the transposed copy of the form below (about
+            # 15% at 128 rows over 8k token-major keys); with few rows it
+            # measured 1.7x slower than keys @ query^T, which stays on BLAS's gemv.
+            chunk_t = _chunk(keys, start, end, dtype).transpose(0, 2, 1)
+            np.matmul(grouped, chunk_t, out=scores[:, :, start:end])
+        else:
+            part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
+            scores[:, :, start:end] = part.transpose(0, 2, 1)
     return scores
 
 
@@ -425,20 +511,21 @@ def attend_sequence(
         A new ``(num_new_tokens, num_q_heads, head_dim)`` array.
     """
     last = table.num_tokens - 1
-    # A quantized pool gathers codes and scales and runs the chunked kernels;
-    # everything else (which tokens, which mask) is the same.
+    # A quantized pool reads codes and scales as stored (a view, or the pages
+    # and their slots) and runs the chunked kernels; which tokens and which
+    # mask is the same.
     quantized = pool.quantized
     if len(queries) == 1:
         ranges = visible_ranges(table.num_sink_tokens, window, last)
         if quantized:
-            key_codes, value_codes = pool.pages.gather_quantized(layer, table.read_plan(ranges))
+            key_codes, value_codes = pool.read_quantized(layer, table, ranges)
             return attend_chunked(queries[0], key_codes, value_codes, scale, pool.dtype)[None]
         keys, values = pool.read(layer, table, ranges)  # (num_visible, num_kv_heads, head_dim)
         return attend_dense(queries[0], keys.transpose(1, 0, 2), values.transpose(1, 0, 2), scale)[None]
     held = table.live_ranges()
     mask = _prefill_mask(table, held, window, len(queries))
     if quantized:
-        key_codes, value_codes = pool.pages.gather_quantized(layer, table.read_plan(held))
+        key_codes, value_codes = pool.read_quantized(layer, table, held)
         return attend_chunked_masked(queries, key_codes, value_codes, mask, scale, pool.dtype)
     keys, values = pool.read(layer, table, held)  # (num_held, num_kv_heads, head_dim)
     return attend_dense_masked(queries, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), mask, scale)

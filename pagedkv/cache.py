@@ -43,7 +43,7 @@ from pagedkv.inputs import (
 from pagedkv.locking import release_cache
 from pagedkv.memory.pages import choose_view_mode
 from pagedkv.memory.pool import KVPool
-from pagedkv.memory.quantization import check_storage_dtype, storage_format
+from pagedkv.memory.quantization import check_storage_dtype, code_itemsize, storage_format
 
 __all__ = ["CacheState", "KVCache"]
 
@@ -489,9 +489,10 @@ class KVCache:
         self._attach(pool)
 
     def _views_can_map(self, num_kv_heads: int, head_dim: int) -> bool:
-        quantized = self._key_dtype is not None or self._value_dtype is not None
-        block_bytes = self._block_size * num_kv_heads * head_dim * self._dtype.itemsize
-        mode = choose_view_mode("auto", growable=False, quantized=quantized, block_bytes=block_bytes)
+        values_per_block = self._block_size * num_kv_heads * head_dim
+        key_bytes = values_per_block * code_itemsize(self._key_dtype, self._dtype)
+        value_bytes = values_per_block * code_itemsize(self._value_dtype, self._dtype)
+        mode = choose_view_mode("auto", growable=False, block_bytes=key_bytes, value_block_bytes=value_bytes)
         return mode == "views"
 
     def _take_block(self, pool: KVPool, undo: _AppendUndo) -> int:

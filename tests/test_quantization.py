@@ -243,13 +243,13 @@ def test_float_pools_are_untouched() -> None:
 def test_attention_dequantizes_chunk_by_chunk_never_the_whole_window(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pagedkv.attention, "CHUNK_TOKENS", 4)
     seen: list[int] = []
-    original = quantization.StorageFormat.dequantize
+    original = quantization.StorageFormat.widen_into
 
-    def spy(self: Any, codes: np.ndarray, scales: np.ndarray, dtype: Any) -> np.ndarray:
-        seen.append(codes.shape[1])  # (num_kv_heads, num_tokens, head_dim)
-        return original(self, codes, scales, dtype)
+    def spy(self: Any, codes: np.ndarray, out: np.ndarray) -> None:
+        seen.append(codes.shape[0])  # (num_tokens, num_kv_heads, head_dim): the kernel's chunk
+        original(self, codes, out)
 
-    monkeypatch.setattr(quantization.StorageFormat, "dequantize", spy)
+    monkeypatch.setattr(quantization.StorageFormat, "widen_into", spy)
     cache = KVCache(block_size=2, key_dtype="int8", value_dtype="float8_e4m3")
     for i in range(11):
         cache.attend([[1.0, 0.0]], [[0.1 * i, 1.0]], [[float(i), 2.0]])

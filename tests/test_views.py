@@ -66,7 +66,7 @@ def test_auto_picks_views_for_page_sized_blocks_and_gather_otherwise() -> None:
     [
         ({"head_dim": 3}, "not a multiple of the 4,096-byte page"),
         ({"head_dim": D, "growable": True}, "growable"),
-        ({"head_dim": D, "key_dtype": "int8"}, "quantized"),
+        ({"head_dim": D, "key_dtype": "int8"}, "stored at different widths"),
     ],
 )
 def test_forcing_views_where_they_cannot_work_says_why(kwargs: dict[str, object], fragment: str) -> None:

@@ -57,21 +57,28 @@ __all__ = [
 VIEW_MODES = ("auto", "views", "gather")
 
 
-def choose_view_mode(requested: object, *, growable: bool, quantized: bool, block_bytes: int) -> str:
+def choose_view_mode(
+    requested: object, *, growable: bool, block_bytes: int, value_block_bytes: int | None = None
+) -> str:
     """``"views"`` or ``"gather"``: how a pool with these properties reads fragmented tables.
+
+    Every storage format maps: the page file holds the stored bytes (floats,
+    or codes), and a quantized side's scales are read by slot beside them.
 
     Args:
         requested: ``"auto"`` (views where they work), ``"views"`` (views or
             an error) or ``"gather"`` (never map).
         growable: a growable pool moves its arrays when it grows; it gathers.
-        quantized: quantized pages (codes and scales) are gathered.
-        block_bytes: bytes of one block of one side of one layer.
+        block_bytes: bytes of one block of one layer's keys as stored
+            (``block_size x num_kv_heads x head_dim x`` the stored itemsize).
+        value_block_bytes: the same for values (None: as keys). Keys and
+            values stored at different widths share no page-file layout: they gather.
 
     Raises:
         InputTypeError, ConfigError: ``requested`` is not one of ``VIEW_MODES``,
             or is ``"views"`` where views cannot work (the message says why).
 
-    >>> choose_view_mode("auto", growable=False, quantized=False, block_bytes=100)
+    >>> choose_view_mode("auto", growable=False, block_bytes=100)
     'gather'
     """
     if not isinstance(requested, str):
@@ -80,7 +87,8 @@ def choose_view_mode(requested: object, *, growable: bool, quantized: bool, bloc
         raise ConfigError(f"view_mode must be one of {VIEW_MODES}, got {requested!r}")
     if requested == "gather":
         return "gather"
-    reason = _why_not_views(growable, quantized, block_bytes)
+    value_bytes = block_bytes if value_block_bytes is None else value_block_bytes
+    reason = _why_not_views(growable, block_bytes, value_bytes)
     if reason is None:
         return "views"
     if requested == "views":
@@ -92,14 +100,15 @@ def _views_impossible(reason: str) -> ConfigError:
     return ConfigError(f"view_mode='views' is impossible here: {reason}; use 'auto' or 'gather'")
 
 
-def _why_not_views(growable: bool, quantized: bool, block_bytes: int) -> str | None:
+def _why_not_views(growable: bool, block_bytes: int, value_block_bytes: int) -> str | None:
     if growable:
         return "the pool is growable (its arrays move when it grows)"
-    if quantized:
-        return "quantized pages are gathered"
+    if value_block_bytes != block_bytes:
+        return (f"a block of keys takes {block_bytes:,} bytes and one of values {value_block_bytes:,}: "
+                "keys and values stored at different widths share no page-file layout")
     if block_bytes % PAGE_SIZE:
         return (f"a block of one layer's keys takes {block_bytes:,} bytes, not a multiple of the "
-                f"{PAGE_SIZE:,}-byte page (block_size x num_kv_heads x head_dim x itemsize)")
+                f"{PAGE_SIZE:,}-byte page (block_size x num_kv_heads x head_dim x the stored itemsize)")
     if not views_supported():
         return "this platform has no mmap(MAP_FIXED) (Linux only)"
     descriptors = descriptor_budget()
@@ -148,7 +157,7 @@ def new_page_arrays(
     """
     if in_file:
         try:
-            return _in_file(num_layers, shape, key_dtype)
+            return _in_file(num_layers, shape, key_dtype, value_dtype)
         except (OSError, ValueError, OverflowError) as error:
             if required:
                 raise _views_impossible(f"no page file could be made ({error})") from None
@@ -157,7 +166,12 @@ def new_page_arrays(
                       [np.zeros(shape, value_dtype) for _ in range(num_layers)], None)
 
 
-def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[Any]) -> PageArrays:
+def _in_file(
+    num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[Any], value_dtype: np.dtype[Any]
+) -> PageArrays:
+    """Both sides of every layer in one new page file; values may be another dtype of the same width."""
+    if value_dtype.itemsize != dtype.itemsize:
+        raise ValueError(f"keys of {dtype} and values of {value_dtype} differ in width: no page-file layout")
     num_blocks = shape[0]
     block_bytes = int(np.prod(shape[1:])) * dtype.itemsize
     side_bytes = num_blocks * block_bytes
@@ -169,7 +183,8 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
         fd = open_page_file(2 * num_layers * side_bytes)
         whole = mmap.mmap(fd, 2 * num_layers * side_bytes, mmap.MAP_SHARED)
         count = int(np.prod(shape))
-        sides = [np.frombuffer(whole, dtype, count=count, offset=index * side_bytes).reshape(shape)
+        sides = [np.frombuffer(whole, value_dtype if index % 2 else dtype, count=count,
+                               offset=index * side_bytes).reshape(shape)
                  for index in range(2 * num_layers)]
     except (OSError, ValueError, OverflowError):
         if fd >= 0:
@@ -177,7 +192,7 @@ def _in_file(num_layers: int, shape: tuple[int, int, int, int], dtype: np.dtype[
         descriptors.give(FDS_PER_PAGE_FILE)
         raise
     page_file = PageFile(fd, num_blocks, block_bytes, (shape[2], shape[3]), dtype, num_layers,
-                         sides[0].ctypes.data, whole, bytearray(num_blocks))
+                         sides[0].ctypes.data, whole, bytearray(num_blocks), value_dtype)
     # The descriptor lives as long as the PageFile: views map it; the arrays keep `whole` mapped.
     weakref.finalize(page_file, _close_page_file, descriptors, fd)
     return PageArrays(sides[0::2], sides[1::2], page_file)
@@ -311,16 +326,36 @@ def take_tokens(
     storage: StorageFormat | None,
     slots: npt.NDArray[np.intp],
 ) -> Tokens:
-    """Tokens at ``slots`` (``block_id * block_size + offset``), in order (new arrays, transposed)."""
+    """Tokens at ``slots`` (``block_id * block_size + offset``), in order.
+
+    Float pages: a new array (transposed). Codes: nothing is copied; the
+    :class:`QuantizedTokens` names the side's pages and ``slots``, and the
+    chunked kernel copies each chunk's codes as it reads them.
+    """
     num_blocks, block_size, heads, head_dim = store.shape
     flat = store.reshape(num_blocks * block_size, heads, head_dim)
-    codes: npt.NDArray[Any] = np.take(flat, slots, axis=0).transpose(1, 0, 2)
+    if storage is None:
+        codes: npt.NDArray[Any] = np.take(flat, slots, axis=0).transpose(1, 0, 2)
+        return codes
+    flat_scales = None if scales is None else scales.reshape(num_blocks * block_size, heads, -1)
+    return QuantizedTokens(flat.transpose(1, 0, 2), _heads_first(flat_scales), storage, slots)
+
+
+def _viewed_side(stored: npt.NDArray[Any], side: _Side, slots: npt.NDArray[np.intp]) -> Tokens:
+    """One side's view ``(n, H, d)`` as head-major tokens: floats, or codes with their scales."""
+    codes: npt.NDArray[Any] = stored.transpose(1, 0, 2)
+    _, scales, storage = side
     if storage is None:
         return codes
-    if scales is None:  # a scale-free format (float16, bfloat16)
+    if scales is None:
         return QuantizedTokens(codes, None, storage)
-    flat_scales = scales.reshape(num_blocks * block_size, heads, -1)
-    return QuantizedTokens(codes, np.take(flat_scales, slots, axis=0).transpose(1, 0, 2), storage)
+    num_blocks, block_size, heads, num_groups = scales.shape
+    flat = scales.reshape(num_blocks * block_size, heads, num_groups)
+    return QuantizedTokens(codes, np.take(flat, slots, axis=0).transpose(1, 0, 2), storage)
+
+
+def _heads_first(scales: npt.NDArray[np.floating] | None) -> npt.NDArray[np.floating] | None:
+    return None if scales is None else scales.transpose(1, 0, 2)
 
 
 def write_tokens(
@@ -633,6 +668,20 @@ class PageStore:
             )
         slots = plan.slot_array(self.block_size)
         return take_tokens(*key_side, slots), take_tokens(*value_side, slots)
+
+    def viewed_tokens(
+        self, layer: int, viewed: tuple[npt.NDArray[Any], npt.NDArray[Any]], slots: npt.NDArray[np.intp]
+    ) -> tuple[Tokens, Tokens]:
+        """A quantized pool's view read as attention reads it: codes as mapped, scales taken by slot.
+
+        Args:
+            layer: the layer read.
+            viewed: the keys' and values' stored ``(num_tokens, H, d)`` arrays
+                from a page view (:meth:`~pagedkv.memory.views.PageViews.read`).
+            slots: the same tokens' slots, for the scales (not in the page file).
+        """
+        sides = self._sides(layer)
+        return (_viewed_side(viewed[0], sides[0], slots), _viewed_side(viewed[1], sides[1], slots))
 
     # --------------------------------------------------------------- commands
 

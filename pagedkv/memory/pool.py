@@ -30,6 +30,7 @@ from pagedkv.memory.quantization import (
     Tokens,
     bytes_per_token,
     check_storage_dtype,
+    code_itemsize,
     storage_format,
 )
 from pagedkv.memory.views import PageViews, ViewStats
@@ -140,10 +141,10 @@ class KVPool:
         for name in (key_dtype, value_dtype):
             if name is not None:
                 storage_format(name, head_dim)  # ImportError naming the extra, before any array
-        block_bytes = block_size * num_kv_heads * head_dim * compute.itemsize
+        values_per_block = block_size * num_kv_heads * head_dim
         mode = choose_view_mode(view_mode, growable=growable,
-                                quantized=key_dtype is not None or value_dtype is not None,
-                                block_bytes=block_bytes)
+                                block_bytes=values_per_block * code_itemsize(key_dtype, compute),
+                                value_block_bytes=values_per_block * code_itemsize(value_dtype, compute))
         self.growable = growable
         try:
             self.allocator = BlockAllocator(num_blocks)
@@ -332,6 +333,34 @@ class KVPool:
                     return viewed
         gathered = self.pages.gather_tokens(layer, table.read_plan(ranges))
         views.count_gather_reads(1)
+        return gathered
+
+    def read_quantized(
+        self, layer: int, table: BlockTable, ranges: list[tuple[int, int]]
+    ) -> tuple[Tokens, Tokens]:
+        """The tokens of ``table`` in ``ranges``, each side as stored (``gather_quantized``'s result).
+
+        As :meth:`read` for a quantized pool: in ``"views"`` mode one range
+        after the sinks reads its codes through the table's mapped view (and
+        its scales by slot); anything else is ``gather_quantized``, which
+        copies nothing either. Counted in ``view_stats`` as :meth:`read` counts.
+
+        Raises:
+            InputTypeError, LayerIndexError: ``layer`` is not an index of a layer.
+            UnknownBlockError: the table names a block past the pool's end;
+                nothing is mapped, read or counted.
+        """
+        layer = check_layer(layer, self.num_layers)
+        views = self._views
+        if views is not None and len(ranges) == 1 and table.num_window_blocks:
+            start, end = ranges[0]
+            if start < end:
+                viewed = views.read(table, layer, start, end)  # counts itself when it serves the read
+                if viewed is not None:
+                    return self.pages.viewed_tokens(layer, viewed, table.slot_array(ranges))
+        gathered = self.pages.gather_quantized(layer, table.read_plan(ranges))
+        if views is not None:
+            views.count_gather_reads(1)
         return gathered
 
     def read_gathered(

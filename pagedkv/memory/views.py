@@ -52,6 +52,8 @@ class PageFile:
         address: where the pool's own (read-write) mapping of the whole file starts.
         mapping: that mapping; held here so ``address`` stays mapped while this object lives.
         resident: one byte per block, 1 once :meth:`make_resident` has seen it.
+        value_dtype: the values' dtype, of ``dtype``'s width (None: ``dtype``;
+            float16 keys may sit beside bfloat16 values).
     """
 
     fd: int
@@ -63,6 +65,11 @@ class PageFile:
     address: int
     mapping: mmap.mmap
     resident: bytearray
+    value_dtype: np.dtype[Any] | None = None
+
+    def side_dtype(self, side: int) -> np.dtype[Any]:
+        """The dtype of side ``side`` (0 keys, 1 values)."""
+        return self.dtype if side == 0 or self.value_dtype is None else self.value_dtype
 
     @property
     def size(self) -> int:
@@ -365,7 +372,8 @@ class PageViews:
                 piece = self._sync(views.ranges, layer, side, first, ids)
                 owed[side] = 0
                 offset = (first - piece.base) * self.pages.block_bytes
-                flat = piece.reservation.array(offset, num_window * self.pages.block_bytes, self.pages.dtype)
+                flat = piece.reservation.array(offset, num_window * self.pages.block_bytes,
+                                               self.pages.side_dtype(side))
                 sides.append(flat.reshape(num_window * table.block_size, *self.pages.token_shape))
         except (_RefusedError, OSError, ValueError, OverflowError):
             self._uncharge(sum(owed))
