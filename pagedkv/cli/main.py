@@ -240,6 +240,16 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "benchmarks/bench_views.py, schema: pagedkv.simulate.kernel), or none to leave it out "
         "(default: the checkout's benchmarks/results/kernel_block_size.json, else the packaged copy)",
     )
+    out.add_argument(
+        "--hybrid-model", default=None, metavar="PRESET",
+        help="serve a hybrid model (gemma3-27b-like, gpt-oss-like: sliding-window and full layers) with "
+        "and without KV-cache groups: memory per request, latency against --rates (docs/study.md)",
+    )
+    out.add_argument(
+        "--kv-allocation", choices=("grouped", "uniform", "both"), default="both",
+        help="with --hybrid-model: one block table per KV-cache group (grouped), every layer keeps every "
+        "token (uniform), or both side by side (default both)",
+    )
     out.add_argument("--json", action="store_true", help="print JSON (wall-clock fields under 'timing')")
     simulate.set_defaults(run=_simulate)
 
@@ -270,7 +280,7 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     pics.add_argument(
         "--png", default=None,
         help="write PNGs instead: pagemap, occupancy, sweep, latency (against request rate), schedulers, "
-        "routers (comma-separated) or all; the last three use fixed settings; needs pagedkv[plot]",
+        "routers, hybrid (comma-separated) or all; the last four use fixed settings; needs pagedkv[plot]",
     )
     pics.add_argument(
         "--out", type=output_folder, default=".", help="folder for PNGs (default: the current one)"

@@ -1,37 +1,8 @@
 """The contiguous baseline: reserve each request's maximum length up front, as before PagedAttention.
 
-Systems such as FasterTransformer and Orca stored a request's KV cache in
-one contiguous slab sized for the longest sequence it might become, reserved
-when the request was admitted. Three reservation rules, after the paper's
-Orca variants:
-
-    policy               reserves per sequence              the paper's name
-    contiguous           prompt + max output (max_model_len) Orca (Max)
-    contiguous-pow2      next power of two >= final length   Orca (Pow2)
-    contiguous-oracle    exactly the final length            Orca (Oracle)
-
-Slabs come from one address space of ``budget`` token slots, first fit, so
-holes between slabs (external fragmentation) are real. There is no sharing:
-each of a request's ``n`` samples reserves its own slab, prompt included,
-and a shared system prompt is stored once per request. A reservation never
-runs out, so nothing is ever preempted. With a sliding window ``W`` every
-slab is capped at ``W`` slots (a rolling buffer).
-
-The same step schedule as the paged policy: admit FCFS while the head's
-slabs fit; each running sequence writes one token per step; a request is
-freed at the end of the step that writes its last token.
-
-Hand-checkable: a budget of 100 slots, two requests of prompt 10 and output
-5, max_model_len 40, so each reserves 40::
-
-    step 0: both admitted, live 10 + 10 = 20 of 100   -> occupancy 0.20
-    step 5: live 15 + 15 = 30 (the last tokens), then both are freed
-
->>> from pagedkv.simulate import Budget, Request, Workload
->>> workload = Workload((Request(0, 10, 5), Request(1, 10, 5)), max_model_len=40)
->>> result = ContiguousEngine(workload, Budget(100)).run()
->>> result.num_steps, round(result.occupancy_mean, 4), result.occupancy_peak
-(6, 0.25, 0.3)
+Owns :class:`ContiguousEngine` and its first-fit slab allocator: the PagedAttention
+paper's reimplementation of Orca (Max, Pow2, Oracle) and FasterTransformer's
+contiguous slabs. The rules and a hand-checked run: docs/simulate.md, "The contiguous baseline".
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ regenerates the tutorial's figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -19,9 +20,10 @@ from pathlib import Path
 
 from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.simulate.cluster import format_cluster, run_cluster
-from pagedkv.simulate.config import BudgetError, SimConfig
+from pagedkv.simulate.config import Budget, BudgetError, SimConfig
 from pagedkv.simulate.engine import PagedEngine
 from pagedkv.simulate.figures import tutorial_figures
+from pagedkv.simulate.hybrid import ALLOCATIONS, HYBRID_PRESETS, HYBRID_RATES, format_hybrid, hybrid_study
 from pagedkv.simulate.kernel import KernelCost
 from pagedkv.simulate.options import (
     build_config,
@@ -40,6 +42,7 @@ from pagedkv.simulate.plots import (
     plot_page_map,
     pyplot,
 )
+from pagedkv.simulate.plots_hybrid import hybrid_figure
 from pagedkv.simulate.plots_serving import serving_figures
 from pagedkv.simulate.plots_sweep import plot_sweep
 from pagedkv.simulate.progress import Progress, wants_progress
@@ -72,7 +75,7 @@ __all__ = [
 #: The block sizes ``--sweep`` (and ``viz --png sweep``) tries by default.
 SWEEP_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: What ``viz --png`` can draw.
-PICTURES = ("pagemap", "occupancy", "sweep", "latency", "schedulers", "routers")
+PICTURES = ("pagemap", "occupancy", "sweep", "latency", "schedulers", "routers", "hybrid")
 #: The pictures of the serving study (fixed settings: pagedkv.simulate.plots_serving).
 SERVING_PICTURES = ("latency", "schedulers", "routers")
 
@@ -127,6 +130,10 @@ def _simulate(args: argparse.Namespace) -> int:
         block_sizes = parse_list(args.block_sizes, name="--block-sizes")
     windows = [None] if args.windows is None else parse_list(args.windows, allow_none=True, name="--windows")
     policies = parse_policies(args.policies)
+    if args.hybrid_model is not None:
+        return _hybrid(args)
+    if args.kv_allocation != "both":
+        raise ConfigError("--kv-allocation is for --hybrid-model; add --hybrid-model, or leave it out")
     if args.rates is not None:
         return _rate_sweep(args, policies)
     if args.replicas > 1:
@@ -200,6 +207,52 @@ def _cluster(args: argparse.Namespace) -> int:
         f"{stats['source']}: {stats['num_requests']:,} requests\n"
     )
     print(format_cluster(results))
+    return 0
+
+
+def _hybrid(args: argparse.Namespace) -> int:
+    if args.hybrid_model not in HYBRID_PRESETS:
+        raise ConfigError(
+            f"--hybrid-model: unknown preset {args.hybrid_model!r}; expected {', '.join(HYBRID_PRESETS)}"
+        )
+    for flag, clash in (("--sweep", args.sweep), ("--replicas", args.replicas > 1)):
+        if clash:
+            raise ConfigError(f"--hybrid-model and {flag} are two studies; give one")
+    if args.workload not in DATASETS:
+        raise ConfigError(f"--hybrid-model needs a synthetic workload ({', '.join(sorted(DATASETS))})")
+    if args.request_rate is not None or args.arrival_rate is not None:
+        raise ConfigError("--hybrid-model sweeps --rates itself; leave out --request-rate and --arrival-rate")
+    shape_flags = ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes")
+    given = [f"--{name.replace('_', '-')}" for name in shape_flags if getattr(args, name) is not None]
+    if given:
+        raise ConfigError(f"--hybrid-model sets the model's shape itself; leave out {', '.join(given)}")
+    model = HYBRID_PRESETS[args.hybrid_model]
+    rates = list(HYBRID_RATES[model.name])
+    if args.rates is not None and args.rates.strip() != "default":
+        rates = parse_rates(args.rates, args.workload)
+    allocations = ALLOCATIONS if args.kv_allocation == "both" else (args.kv_allocation,)
+    config, _ = build_config(args)
+    if config.budget.num_bytes is None:
+        raise ConfigError("--hybrid-model needs the memory in bytes: give --memory, not --blocks")
+    config = dataclasses.replace(config, budget=Budget.from_bytes(config.budget.num_bytes, model.shape))
+    options = {
+        "n": args.n,
+        "sampling": args.sampling,
+        "num_prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "max_model_len": args.max_model_len,
+    }
+    num_runs = len(rates) * len(allocations)
+    bar = Progress("hybrid study", num_runs, unit="runs") if _wants_progress(args) else None
+    try:
+        study = hybrid_study(
+            model, config, rates, allocations=allocations,
+            workload=(args.workload, args.num_requests, options), slo=args.slo, progress=bar,
+        )  # fmt: skip
+    except WorkloadError as error:  # the lengths do not fit: name the flags that set them
+        flags = f"--workload {args.workload} --max-model-len {args.max_model_len}"
+        raise WorkloadError(f"{error} ({flags})") from None
+    print(json.dumps(study.as_dict(), indent=2) if args.json else format_hybrid(study))
     return 0
 
 
@@ -317,6 +370,9 @@ def _plot(
     for kind in kinds:
         if kind in SERVING_PICTURES:
             serving_figures(out, [kind])
+            continue
+        if kind == "hybrid":
+            print(f"wrote {os.fspath(hybrid_figure(out))}")
             continue
         if kind == "pagemap":
             page_maps, _ = capture_page_maps(workload, config)

@@ -1,36 +1,9 @@
 """The step-time cost model: turn one simulated step's work into model seconds (a roofline).
 
-The simulator counts work from the real manager (tokens computed, context
-tokens read, blocks swapped); this module is the only place that turns
-counts into time. One forward pass over a batch is bounded by memory or by
-compute, whichever is slower, plus a fixed per-step overhead::
-
-    bytes  = weight_bytes + kv_tokens_read x kv_bytes_per_token
-    flops  = 2 x num_params x num_tokens + 4 x num_layers x d_model x num_attention_pairs
-    step_s = step_overhead_s + max(bytes / memory_bandwidth, flops / peak_flops)
-           + swapped_tokens x kv_bytes_per_token / host_bandwidth      (swap traffic, not overlapped)
-
-``num_tokens`` counts every token the step computes (prefill and decode);
-``kv_tokens_read`` the context each sequence's attention reads (its whole
-history, once per step); ``num_attention_pairs`` the (query, key) pairs
-(a decode token attends to its context, a prefill chunk of ``c`` tokens after
-``s`` cached ones to about ``c x (s + c / 2)``). ``d_model`` is
-``num_q_heads x head_dim``.
-
-NOTE: peak bandwidth and peak FLOPs make this an *ideal* roofline: a real
-kernel reaches perhaps 60-85% of either, and the preset's overhead (2 ms)
-stands for the scheduler, sampling and launch costs the paper's systems
-paid per step. Absolute latencies are therefore lower than measured ones;
-ratios between policies, which depend on batch sizes and recomputation, are
-what the study compares.
-
->>> cost = COST_PRESETS["opt-13b-a100"]
->>> round(cost.weight_bytes / 1e9, 1)
-25.7
->>> round(1000 * cost.step_time(num_tokens=1, kv_tokens_read=0), 2)   # one decode token: weight-bound
-18.53
->>> round(1000 * cost.step_time(num_tokens=2048, kv_tokens_read=2048), 1)  # a long prefill: compute-bound
-170.7
+The only place that turns counts (tokens computed, context read, blocks swapped) into
+time; the counterpart of the analytic step models of vidur / LLMServingSim, not of vLLM.
+The formula, its caveats and worked numbers: docs/simulate.md, "The cost model", and
+docs/study.md, section 1.
 """
 
 from __future__ import annotations

@@ -1,44 +1,9 @@
 """The paged policy: a continuous-batching loop that drives the real :class:`KVCacheManager`.
 
-Nothing about memory is modeled here: every block is taken, shared, copied
-on write, evicted and freed by the manager on a real (tiny) pool, and the
-report reads the manager's own block tables and pool. The pool is one layer, one head,
-``head_dim`` 1; writing each step's k/v (the manager requires it before the
-next reservation) is cheap. Attention is not computed: outputs do not change
-what memory holds.
-
-One step, as in vLLM's scheduler (v1)::
-
-    1. arrivals join the waiting queue (FCFS)
-    2. beam-like requests prune some beams and fork survivors into their place
-    3. decode: reserve one token for every running sequence, all or nothing;
-       if it does not fit, preempt the newest running request (recompute mode:
-       its blocks are freed, it goes back to the front of the waiting queue)
-       and try again
-    4. admit waiting requests in order while the prompt fits with
-       ``watermark`` of the blocks still free; skipped in a step that
-       preempted (:mod:`pagedkv.simulate.admission`). A request with ``n``
-       samples forks after prefill; a preempted one re-feeds its tokens
-    5. measure memory every ``sample_every`` steps from the block tables
-       (the count ``metrics()`` gives, checked with ``check_every_step``)
-    6. free requests whose last output token was written in this step
-
-A request with prompt ``P`` and output ``O`` holds ``P`` tokens after its
-prefill step and one more after each of the next ``O`` steps; it is freed at
-the end of the step that writes its ``P + O``-th token. A request that cannot
-grow even when it runs alone (it outgrew the whole pool) is aborted.
-
-The loop and the decode step live here; who waits and runs, and the state
-changes, in :mod:`pagedkv.simulate.requests`; the sequences' owners, tokens
-and writes in :mod:`pagedkv.simulate.sequences`::
-
-    engine --> admission --> requests --> sequences --> KVCacheManager
-
->>> from pagedkv.simulate import Budget, SimConfig, synthetic
->>> workload = synthetic("alpaca", 20, seed=0)
->>> result = PagedEngine(workload, SimConfig(Budget(256), block_size=8, check_every_step=True)).run()
->>> result.num_finished, result.num_preemptions > 0
-(20, True)
+Owns the loop and the decode step; who waits and runs lives in :mod:`pagedkv.simulate.requests`,
+the sequences' writes in :mod:`pagedkv.simulate.sequences`, admission in
+:mod:`pagedkv.simulate.admission`. Counterpart: vLLM v1's ``Scheduler.schedule`` loop
+over ``KVCacheManager``. The step, phase by phase: docs/simulate.md, "The paged engine".
 """
 
 from __future__ import annotations

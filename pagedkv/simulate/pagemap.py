@@ -1,47 +1,9 @@
 """Page maps: who holds each block of the pool at one step of a paged simulation.
 
-A *page map* shows every block of the pool at one step: which request holds
-it, whether several sequences share it, whether it is a cached free block a
-prefix hit can take back, or free. :func:`capture_page_maps` runs the paged
-policy and takes a :class:`PageMap` at chosen steps; :func:`page_map_text`
-draws one for the terminal (``pagedkv viz``), :mod:`pagedkv.simulate.plots`
-as PNGs. Six Alpaca-like requests with two samples each and a shared 8-token
-system prompt, on 24 blocks of 4 slots:
-
->>> from pagedkv.simulate import Budget, SimConfig, synthetic
->>> workload = synthetic("alpaca", 6, seed=0, n=2, num_prefix_groups=1, prefix_len=8)
->>> config = SimConfig(Budget(96), block_size=4, enable_prefix_caching=True)
->>> page_maps, _ = capture_page_maps(workload, config, [0, 4])
->>> for page_map in page_maps:
-...     print(page_map_text(page_map, legend=False))
-step 0: 24 blocks x 4 slots; 22 used (22 shared), 0 cached free, 2 free; 81 live tokens = 84.4%
-  block  0         10        20
-         012345678901234567890123
-  owner  ##AAAAABBBBCCCCCCDDDDD..
-  fill   ======-===-==========-
-  requests a=#0 b=#1 c=#2 d=#3
-step 4: 24 blocks x 4 slots; 17 used (9 shared), 7 cached free, 0 free; 60 live tokens = 62.5%
-  block  0         10        20
-         012345678901234567890123
-  owner  ##AAAAaBBBb+++++++bbaaab
-  fill   ===========       ----==
-  requests a=#0 b=#1
-
-``a``-``z``: a request's block (one letter per request, ``request_id % 26``);
-``A``-``Z``: shared by that request's samples (forks); ``#``: shared by
-several requests (the system prompt, through the prefix cache); ``+``: cached
-free; ``.``: free. Fill: ``=`` full, ``-`` partly filled. At step 4 requests
-2 and 3 were preempted: their blocks are cached free, and the samples of
-requests 0 and 1 have diverged (copy-on-write) into blocks of their own.
-
-The arrays of one page map, for two samples of a 6-token prompt on 4 blocks of 4:
-
->>> from pagedkv.simulate import Request, Workload
->>> page_maps, _ = capture_page_maps(
-...     Workload((Request(0, 6, 2, n=2),)), SimConfig(Budget(16), block_size=4), [0]
-... )
->>> page_maps[0].owner.tolist(), page_maps[0].num_refs.tolist(), page_maps[0].num_live.tolist()
-([0, 0, -1, -1], [2, 2, 0, 0], [4, 2, 0, 0])
+:func:`capture_page_maps` runs the paged policy and takes a :class:`PageMap` at chosen
+steps; :func:`page_map_text` draws one for the terminal (``pagedkv viz``),
+:mod:`pagedkv.simulate.plots` as PNGs. No vLLM counterpart (a teaching view of the
+pool); the legend, a worked example and the arrays: docs/simulate.md, "Page maps".
 """
 
 from __future__ import annotations

@@ -1,38 +1,8 @@
 """Routers: which replica of a cluster serves the next request.
 
-* :class:`RoundRobin`: replicas in turn, blind to everything;
-* :class:`LeastLoaded`: the replica with the fewest requests in flight (the
-  load signal every serving engine exports as a metric);
-* :class:`PrefixAware`: the replica whose prefix cache holds the longest run
-  of the prompt's leading blocks, learned **only from the replicas' KV
-  events** (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, as
-  llm-d and Dynamo route), never by looking into a replica, traded
-  against load.
-
-The prefix index does not know the manager's hash function, and needs
-none: block hashes chain already (a block's hash names its whole prefix).
-It files each stored block under its *edge*, ``(parent_block_hash,
-hash(token_ids))``, both taken from the event, and matches a prompt by
-walking from the start, each step from the hash the last one found (Python's
-hash of a tuple of ints is fixed across runs; a 64-bit collision would only
-misroute, never change an output)::
-
-    prompt blocks      [b0]           [b1]          [b2]
-    walk               (None, t0)     (h0, t1)      (h1, t2)
-    replica 0 holds    -> h0          -> h1         (none)      -> 2 blocks
-    orphan h9, filed under (h5, t0): the walk reaches it only through h5
-
-NOTE: a block whose parent the router does not hold (the parent was evicted
-first, or a resync replays a chain whose head is gone) stays filed under its
-parent's hash, so it never passes for a prompt's first block, and it becomes
-reachable exactly when a block with that hash is stored again; nothing is
-re-keyed.
-
->>> router = RoundRobin()
->>> [router.choose([], [0, 0, 0]) for _ in range(4)]
-[0, 1, 2, 0]
->>> LeastLoaded().choose([], [3, 1, 2])
-1
+:class:`RoundRobin`, :class:`LeastLoaded`, and :class:`PrefixAware`, which learns each
+replica's cached blocks only from its KV events, as llm-d's and Dynamo's KV-aware
+routers do. How the prefix index walks a prompt: docs/simulate.md, "Routers".
 """
 
 from __future__ import annotations

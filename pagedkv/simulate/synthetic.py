@@ -6,10 +6,12 @@ clipped to ``[1, max_len]``; the lognormal's ``mu`` is solved so that the
 Alpaca averages)::
 
     dataset    prompt mean  sigma   output mean  sigma   clip
-    sharegpt   161          1.0     338          1.0     [1, 1024] each
-    alpaca     19.31        0.6     58.45        0.7     [1, 1024] each
+    sharegpt   161          1.0     338          1.0     [1, max_model_len / 2] each
+    alpaca     19.31        0.6     58.45        0.7     [1, max_model_len / 2] each
+    longdoc    6000         0.5     250          0.7     (needs --max-model-len 32768 or so)
 
-so prompt + output never exceeds the default ``max_model_len`` of 2048.
+so prompt + output never exceeds ``max_model_len`` (default 2048). ``longdoc``
+(long documents in, short answers out) is the hybrid-model study's workload.
 
 >>> workload = synthetic("alpaca", 3, seed=1)
 >>> [(r.prompt_len, r.output_len) for r in workload.requests]
@@ -32,6 +34,7 @@ __all__ = ["DATASETS", "synthetic"]
 DATASETS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "sharegpt": ((161.0, 1.0), (338.0, 1.0)),
     "alpaca": ((19.31, 0.6), (58.45, 0.7)),
+    "longdoc": ((6000.0, 0.5), (250.0, 0.7)),
 }
 
 
@@ -77,7 +80,7 @@ def synthetic(
     """A synthetic request stream with ShareGPT- or Alpaca-like lengths.
 
     Args:
-        dataset: ``"sharegpt"`` or ``"alpaca"`` (see the module docstring).
+        dataset: ``"sharegpt"``, ``"alpaca"`` or ``"longdoc"`` (see the module docstring).
         num_requests: how many requests.
         seed: seeds lengths, groups, arrivals and token ids.
         n: samples per request (forks after prefill).
