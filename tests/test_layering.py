@@ -1,4 +1,4 @@
-"""Imports run one way: blocks -> memory -> attention -> cache; prefix -> manager -> tools.
+"""Imports run one way: blocks -> memory -> attention -> cache; prefix -> tiers -> manager -> tools.
 
 Read from the source with ``ast``, so a new module is checked the day it is
 added: every package imports only the layers below it, no module imports
@@ -35,9 +35,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "pagedkv.blocks", "pagedkv.memory", "pagedkv.attention", "pagedkv.locking", "pagedkv.reference",
     ),
     "pagedkv.prefix": ("pagedkv.blocks",),
+    # Host tier and stores under the device pool (issue 31): whole blocks by prefix key.
+    "pagedkv.tiers": ("pagedkv.blocks", "pagedkv.memory", "pagedkv.prefix"),
     "pagedkv.manager": (
         "pagedkv.blocks", "pagedkv.memory", "pagedkv.attention", "pagedkv.locking",
-        "pagedkv.reference", "pagedkv.prefix",
+        "pagedkv.reference", "pagedkv.prefix", "pagedkv.tiers",
     ),
 }
 #: The allocator sees block ids, never an array (docs/architecture.md, "blocks").
