@@ -33,6 +33,8 @@ from pagedkv.errors import (
     UnknownBlockError,
     UnknownSequenceError,
 )
+from pagedkv.manager.groups import GroupLayout
+from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.manager.manager import KVCacheManager, SequenceState
 from pagedkv.manager.metrics import ManagerMetrics
 from pagedkv.manager.reserve import Batch, ReservationPlan
@@ -50,6 +52,8 @@ __all__ = [
     "ConfigError",
     "DoubleFreeError",
     "DuplicateSequenceError",
+    "GroupLayout",
+    "HybridKVCacheManager",
     "InputTypeError",
     "KVCache",
     "KVCacheManager",
