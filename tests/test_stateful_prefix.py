@@ -735,8 +735,10 @@ def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
     """Planted bug: the lookup may report every full block of the prompt (nano-vllm #144)."""
     original = pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix
 
-    def greedy(self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes) -> int:
-        return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]))
+    def greedy(
+        self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+    ) -> int:
+        return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]), max_blocks)
 
     pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix = greedy  # type: ignore[method-assign]
     try:

@@ -9,4 +9,5 @@
 * ``layers.py``: each storing layer as transformers' per-layer API sees it.
 * ``cache.py``: :class:`PagedCache`, the transformers ``Cache``.
 * ``attention.py``: pagedkv registered as a transformers attention implementation.
+* ``models.py``: the ``models`` extra's real GGUF models, loaded; KV bytes of a cache.
 """

@@ -17,6 +17,9 @@ Two modes, chosen by the model's attention implementation when rows start:
 * attention (``use_pagedkv_attention(model)``): ``update`` returns the new
   states untouched, and the attention function calls :meth:`PagedCache.attend`,
   which stores only real (unpadded) tokens and runs ``KVCacheManager.attend``.
+
+A float16 or bfloat16 model's pages are stored in its dtype; the manager computes
+in float32 (widening is exact), and attention mode rounds its output to the model's dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from pagedkv.integrations.hf.layers import LayerView
 from pagedkv.integrations.hf.read_cache import LayerBuffer, read_rows
 from pagedkv.integrations.hf.rows import RowSequences
 from pagedkv.integrations.hf.spec import ModelSpec, read_spec
-from pagedkv.integrations.hf.tensors import Tensor, check_states, from_tokens, padding_layout, to_tokens
+from pagedkv.integrations.hf.tensors import (
+    Tensor,
+    check_states,
+    from_tokens,
+    padding_layout,
+    to_tokens,
+    torch_dtype,
+)
 from pagedkv.manager.manager import KVCacheManager
 from pagedkv.manager.reserve import Batch
 from pagedkv.memory.pool import KVPool
@@ -82,7 +92,9 @@ class PagedCache(_Cache):  # type: ignore[misc]
             ``_attn_implementation`` is ``"pagedkv"``. None: storage mode always.
         read_cache: storage mode keeps each layer's visible keys and values in a
             growing contiguous buffer too (about twice their memory; faster
-            reads). False, or a quantized pool: gather them from the pages each call.
+            reads). False, or pages that do not hold the model's values
+            exactly (int8, fp8, or 16 bits other than the model's): gather
+            them from the pages each call.
 
     Raises:
         ConfigError: the manager's pool or heads do not fit ``spec``.
@@ -106,7 +118,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._num_columns = [0] * spec.num_layers
         self._step: _Step | None = None
         self._mode = "storage"
-        self._read_cache = read_cache and not manager.pool.quantized
+        self._read_cache = read_cache and _pages_exact(pool, spec)
         self._buffers = [LayerBuffer() for _ in range(spec.num_layers)]
         storing = set(spec.storing_layers)
         dummy = require("transformers.cache_utils").DummyLayer
@@ -126,7 +138,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
         """A cache with its own pool, shaped from ``model``'s config.
 
         Args:
-            model: a decoder-only transformers model in float32 or float64.
+            model: a decoder-only transformers model in float32, float64, or
+                float16 / bfloat16 (pages stored in that dtype, computed in float32).
             num_blocks: blocks in the pool (each holds ``block_size`` tokens of every storing layer).
             block_size: token slots per block.
             trusted_inputs: skip scanning the values the model writes (keys are
@@ -146,6 +159,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             dtype=spec.dtype,
+            key_dtype=spec.page_dtype,
+            value_dtype=spec.page_dtype,
         )
         manager = KVCacheManager(
             pool,
@@ -176,6 +191,16 @@ class PagedCache(_Cache):  # type: ignore[misc]
     def block_ids(self, row: int) -> list[int]:
         """The block table of ``row``'s sequence (a copy)."""
         return list(self.manager.block_table(self._rows.seq_ids[row]).block_ids)
+
+    @property
+    def num_held_bytes(self) -> int:
+        """Bytes of the blocks the rows hold, every layer's keys and values (a shared block counted once).
+
+        The figure to set beside ``DynamicCache``'s tensors (``pagedkv.integrations.hf.models.kv_bytes``);
+        the read cache's buffers, if any, are not counted.
+        """
+        held = {block_id for row in range(self.num_rows) for block_id in self.block_ids(row)}
+        return len(held) * self.manager.pool.bytes_per_block
 
     def page_map(self) -> str:
         """One character per block of the pool: ``.`` free, ``a``/``b``/... held by row 0/1/..., ``*`` shared.
@@ -233,8 +258,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
         """
         spec = self.spec
         pool_layer = spec.pool_layer(layer_idx)
-        check_states("key_states", key_states, spec.num_kv_heads, spec.head_dim, spec.dtype)
-        check_states("value_states", value_states, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        check_states("key_states", key_states, spec.num_kv_heads, spec.head_dim, spec.model_dtype)
+        check_states("value_states", value_states, spec.num_kv_heads, spec.head_dim, spec.model_dtype)
         if key_states.shape != value_states.shape:
             raise ShapeError(
                 f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)}"
@@ -256,7 +281,9 @@ class PagedCache(_Cache):  # type: ignore[misc]
             raise
         step = self._step
         assert step is not None and step.batch is not None  # a storage step stores every position
-        self.manager.write(pool_layer, step.batch, to_tokens(key_states), to_tokens(value_states))
+        compute = spec.dtype if spec.page_dtype else None
+        keys_new, values_new = to_tokens(key_states, None, compute), to_tokens(value_states, None, compute)
+        self.manager.write(pool_layer, step.batch, keys_new, values_new)
         step.written.add(pool_layer)
         past = self._num_columns[layer_idx]
         self._num_columns[layer_idx] = end = past + num_new
@@ -264,12 +291,11 @@ class PagedCache(_Cache):  # type: ignore[misc]
         keep_from = 0 if window is None else max(0, past - window + 1)
         if not self._read_cache:
             keys, values = read_rows(self.manager, self._rows.seq_ids, pool_layer, keep_from, end)
-            torch = require("torch")
-            return torch.from_numpy(keys), torch.from_numpy(values)
+            return self._model_tensor(keys), self._model_tensor(values)
         buffer = self._buffers[layer_idx]
         if buffer.is_empty:  # the first step, or after crop: the pool has the history
-            held = read_rows(self.manager, self._rows.seq_ids, pool_layer, keep_from, past)
-            buffer.fill(*held, start=keep_from)
+            keys, values = read_rows(self.manager, self._rows.seq_ids, pool_layer, keep_from, past)
+            buffer.fill(self._model_tensor(keys), self._model_tensor(values), start=keep_from)
         return buffer.append(key_states, value_states, keep_from)
 
     def attend(
@@ -291,7 +317,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
             scale: the score scale of this call.
 
         Returns:
-            A new tensor; padding positions hold zeros.
+            A new tensor in the model's dtype (computed in float32 for a 16-bit
+            model, then rounded); padding positions hold zeros.
 
         Raises:
             ShapeError: bad shapes, or padding after a real token (only left padding is served).
@@ -299,7 +326,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         """
         spec = self.spec
         pool_layer = spec.pool_layer(layer_idx)
-        check_states("query", query, spec.num_q_heads, spec.head_dim, spec.dtype)
+        check_states("query", query, spec.num_q_heads, spec.head_dim, spec.model_dtype)
         num_rows, _, num_new, _ = query.shape
         if num_rows != self.num_rows or key.shape[2] != num_new:
             raise ShapeError(
@@ -318,9 +345,12 @@ class PagedCache(_Cache):  # type: ignore[misc]
         if step.batch is None:
             return query.new_zeros((num_rows, num_new, spec.num_q_heads, spec.head_dim))
         select = step.select
-        self.manager.write(pool_layer, step.batch, to_tokens(key, select), to_tokens(value, select))
-        outputs = self.manager.attend(pool_layer, step.batch, to_tokens(query, select), scale=scale)
-        return from_tokens(outputs, num_rows, num_new, select)
+        compute = spec.dtype if spec.page_dtype else None
+        self.manager.write(
+            pool_layer, step.batch, to_tokens(key, select, compute), to_tokens(value, select, compute)
+        )
+        outputs = self.manager.attend(pool_layer, step.batch, to_tokens(query, select, compute), scale=scale)
+        return from_tokens(outputs, num_rows, num_new, select, spec.page_dtype)
 
     def reset(self) -> None:
         """Free every row's sequence; the pool stays, ready for the next ``generate``."""
@@ -417,6 +447,13 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._clear_buffers()
         return True
 
+    def _model_tensor(self, array: Any) -> Tensor:
+        """A tensor of the pool's ``array`` in the model's dtype (exact when the pages hold its values)."""
+        tensor = require("torch").from_numpy(array)
+        if self.spec.page_dtype is None:
+            return tensor
+        return tensor.to(torch_dtype(self.spec.page_dtype))
+
     def _is_new_step(self, pool_layer: int) -> bool:
         return self._step is None or pool_layer in self._step.written
 
@@ -447,3 +484,14 @@ class PagedCache(_Cache):  # type: ignore[misc]
     def _clear_buffers(self) -> None:
         for buffer in self._buffers:
             buffer.clear()
+
+
+def _pages_exact(pool: KVPool, spec: ModelSpec) -> bool:
+    """Whether ``pool``'s pages hold exactly the keys and values ``spec``'s model writes.
+
+    Float pages of the compute dtype hold any model's values (a 16-bit value widens
+    exactly); 16-bit pages hold a model's of their own dtype; int8 and fp8 round.
+    """
+    if not pool.quantized:
+        return True
+    return spec.page_dtype is not None and pool.key_dtype == pool.value_dtype == spec.page_dtype

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.integrations.hf.extra import require
-from pagedkv.integrations.hf.tensors import Tensor, states_array
+from pagedkv.integrations.hf.tensors import Tensor, raw_array
 from pagedkv.manager.manager import KVCacheManager
 
 __all__ = ["LayerBuffer", "read_rows"]
@@ -78,7 +78,8 @@ class LayerBuffer:
           most the tensors' capacity (their dimension 2);
         * the two tensors have one shape ``(rows, kv_heads, capacity, head_dim)``;
         * positions ``end - start ..`` of the tensors were never handed out;
-        * the numpy arrays appends write through are the tensors' own memory.
+        * the numpy arrays appends write through are the tensors' own memory
+          (a bfloat16 tensor's as its int16 bits: numpy has no bfloat16).
 
     Filled from the pool (``fill``, arrays or tensors), then fed each step's
     new columns (``append``, tensors); see ``tests/test_integration_transformers.py``.
@@ -136,8 +137,8 @@ class LayerBuffer:
                              self.values[:, :, keep_from - self.start : used], keep_from, extra=num_new)
             used = self.end - self.start
         assert self._key_array is not None and self._value_array is not None
-        self._key_array[:, :, used : used + num_new] = states_array(keys)
-        self._value_array[:, :, used : used + num_new] = states_array(values)
+        self._key_array[:, :, used : used + num_new] = raw_array(keys)
+        self._value_array[:, :, used : used + num_new] = raw_array(values)
         self.end += num_new
         lo, hi = keep_from - self.start, self.end - self.start
         return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
@@ -149,7 +150,7 @@ class LayerBuffer:
         index = require("torch").tensor(list(sources), dtype=require("torch").long)
         self.keys = self.keys.index_select(0, index)
         self.values = self.values.index_select(0, index)
-        self._key_array, self._value_array = self.keys.numpy(), self.values.numpy()
+        self._key_array, self._value_array = raw_array(self.keys), raw_array(self.values)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if an invariant in the class docstring is broken."""
@@ -175,5 +176,5 @@ class LayerBuffer:
         new_keys[:, :, :num_held].copy_(keys)
         new_values[:, :, :num_held].copy_(values)
         self.keys, self.values = new_keys, new_values
-        self._key_array, self._value_array = new_keys.numpy(), new_values.numpy()
+        self._key_array, self._value_array = raw_array(new_keys), raw_array(new_values)
         self.start, self.end = start, start + num_held

@@ -7,6 +7,9 @@ A model's config says everything a pool and a manager need::
         windows             (None, 8, None, None)
         pool layers         3               a shared-KV ("dummy") layer stores nothing
 
+A float16 or bfloat16 model keeps its pages in its own dtype (``page_dtype``) and
+pagedkv computes in float32 (``dtype``): every 16-bit value widens exactly.
+
 NOTE: only layers that store keys get a pool layer. The manager refuses a new
 reservation while any of its layers has not written the last one, so a model
 layer that never calls ``Cache.update`` (it reuses another layer's keys) would
@@ -31,6 +34,8 @@ __all__ = ["ModelSpec", "attention_refusals", "read_spec"]
 _STORING_TYPES = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}
 #: Layer types that store nothing (shared-KV consumers, MLP- or MoE-only layers).
 _EMPTY_TYPES = ("dummy", "moe", "mlp")
+#: 16-bit model dtypes: pages stored in them (``KVPool(key_dtype=...)``), attention computed in float32.
+_HALF_DTYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,10 @@ class ModelSpec:
         num_kv_heads: key/value heads.
         head_dim: values per head.
         scale: the score scale the model's attention uses.
-        dtype: the model's float dtype, the pool's dtype.
+        dtype: the pool's compute dtype: the model's float32 or float64, or
+            float32 for a 16-bit model.
+        page_dtype: a 16-bit model's dtype, ``"float16"`` or ``"bfloat16"``, in
+            which its pages are stored; None: the model computes in ``dtype``.
 
     >>> spec = ModelSpec(2, (0, 1), ("full_attention",) * 2, (None, None), 4, 2, 16, 0.25,
     ...                  np.dtype(np.float32))
@@ -68,12 +76,18 @@ class ModelSpec:
     head_dim: int
     scale: float
     dtype: np.dtype[Any]
+    page_dtype: str | None = None
     #: model layer -> pool layer, made once (``pool_layer`` runs every layer of every step).
     _pool_of: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.check_invariants()
         object.__setattr__(self, "_pool_of", {layer: i for i, layer in enumerate(self.storing_layers)})
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model computes in, as torch names it (``"bfloat16"``, ``"float32"``...)."""
+        return self.page_dtype or self.dtype.name
 
     @property
     def pool_windows(self) -> list[int | None]:
@@ -104,6 +118,8 @@ class ModelSpec:
             raise AssertionError("windows and layer_types need one entry per layer")
         if self.num_q_heads % self.num_kv_heads:
             raise AssertionError(f"{self.num_q_heads} query heads over {self.num_kv_heads} kv heads")
+        if self.page_dtype is not None and (self.page_dtype not in _HALF_DTYPES or self.dtype != np.float32):
+            raise AssertionError(f"pages of {self.page_dtype} computed in {self.dtype}")
 
 
 def _layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
@@ -126,7 +142,7 @@ def read_spec(model: Any) -> ModelSpec:
 
     Raises:
         ConfigError: an encoder-decoder model, a layer type pagedkv cannot store
-            (linear attention, hybrid), or a dtype other than float32/float64.
+            (linear attention, hybrid), or a dtype other than float32/float64/float16/bfloat16.
 
     >>> read_spec(object())
     Traceback (most recent call last):
@@ -144,6 +160,12 @@ def read_spec(model: Any) -> ModelSpec:
         )
     text = config.get_text_config(decoder=True)
     types, kwargs = _layer_types(text)
+    # NOTE: KV-CACHE GROUPS (issue 29) GO HERE. Today every storing layer becomes a pool
+    # layer of one block table, and ``windows`` only bounds what each layer returns; the
+    # manager frees by the largest window (None for any full layer), so Gemma 3's sliding
+    # layers keep every token. With groups: one group per distinct (type, window) of
+    # ``types``/``kwargs`` (transformers gives a chunked layer's ``attention_chunk_size`` as
+    # its "sliding_window" kwarg: keep the type to tell the two apart), mapped to pool layers.
     storing, windows = [], []
     for layer, (kind, extra) in enumerate(zip(types, kwargs)):
         if kind in _STORING_TYPES:
@@ -160,10 +182,11 @@ def read_spec(model: Any) -> ModelSpec:
     num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_q_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_q_heads)
     dtype = str(getattr(model, "dtype", "torch.float32")).removeprefix("torch.")
-    if dtype not in [str(known) for known in FLOAT_DTYPES]:
+    page_dtype = dtype if dtype in _HALF_DTYPES else None
+    if page_dtype is None and dtype not in [str(known) for known in FLOAT_DTYPES]:
         raise ConfigError(
-            f"the model computes in {dtype}; pagedkv pools store float32 or float64: "
-            "call model.float() or model.double() first"
+            f"the model computes in {dtype}; pagedkv serves float32, float64, float16 and bfloat16 "
+            "models: call model.float() first"
         )
     return ModelSpec(
         num_layers=len(types),
@@ -174,7 +197,8 @@ def read_spec(model: Any) -> ModelSpec:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         scale=_model_scale(model, head_dim),
-        dtype=np.dtype(dtype),
+        dtype=np.dtype(np.float32 if page_dtype else dtype),
+        page_dtype=page_dtype,
     )
 
 

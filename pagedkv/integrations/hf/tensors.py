@@ -27,6 +27,7 @@ __all__ = [
     "check_states",
     "from_tokens",
     "padding_layout",
+    "raw_array",
     "states_array",
     "to_tokens",
     "tokens_of",
@@ -37,8 +38,8 @@ __all__ = [
 Tensor = Any
 
 
-def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype: np.dtype[Any]) -> None:
-    """Refuse anything but a CPU tensor ``(batch, num_heads, seq, head_dim)`` of ``dtype``.
+def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype: str) -> None:
+    """Refuse anything but a CPU tensor ``(batch, num_heads, seq, head_dim)`` of ``dtype`` (torch's name).
 
     Raises:
         ShapeError: a wrong shape, dtype or device.
@@ -57,15 +58,26 @@ def check_states(name: str, states: Tensor, num_heads: int, head_dim: int, dtype
         )
     if states.dtype is not torch_dtype(dtype) or not states.is_cpu:
         raise ShapeError(
-            f"{name} is {states.dtype} on {states.device}; the pool holds {dtype} on the CPU "
+            f"{name} is {states.dtype} on {states.device}; the model computes in {dtype} on the CPU "
             "(pagedkv runs on the CPU only)"
         )
 
 
 @functools.cache
-def torch_dtype(dtype: np.dtype[Any]) -> Any:
-    """The torch dtype of numpy ``dtype`` (float32 -> ``torch.float32``); looked up once per dtype."""
+def torch_dtype(dtype: np.dtype[Any] | str) -> Any:
+    """The torch dtype of numpy ``dtype`` or of a name (float32 -> ``torch.float32``); looked up once."""
     return getattr(require("torch"), str(dtype), None)
+
+
+def raw_array(tensor: Tensor) -> npt.NDArray[Any]:
+    """The numpy array of a CPU tensor's memory; a bfloat16 tensor's as its ``int16`` bits.
+
+    NOTE: numpy has no bfloat16 of its own, so ``Tensor.numpy`` refuses one;
+    copying bits is all the read cache does with them, and the bits are exact.
+    """
+    if tensor.dtype is torch_dtype("bfloat16"):
+        tensor = tensor.view(torch_dtype("int16"))
+    return states_array(tensor)
 
 
 def states_array(states: Tensor) -> npt.NDArray[Any]:
@@ -97,13 +109,23 @@ def tokens_of(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return tokens
 
 
-def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:
+def to_tokens(
+    states: Tensor, select: Tensor | None = None, dtype: np.dtype[Any] | None = None
+) -> npt.NDArray[Any]:
     """``(batch, heads, seq, head_dim)`` as ``(tokens, heads, head_dim)``, only the positions in ``select``.
+
+    Args:
+        states: a CPU tensor.
+        select: flat ``(row, position)`` indices to keep; None: all.
+        dtype: widen to this compute dtype first (a 16-bit model's states to
+            float32: exact); None: as they are.
 
     Returns:
         A C-contiguous array; it may share memory with ``states`` (one position
         per row reshapes without a copy), so read it, do not keep it.
     """
+    if dtype is not None and states.dtype is not torch_dtype(dtype):
+        states = states.to(torch_dtype(dtype))
     if select is None:
         return tokens_of(states_array(states))
     batch, heads, seq, head_dim = states.shape
@@ -113,14 +135,25 @@ def to_tokens(states: Tensor, select: Tensor | None = None) -> npt.NDArray[Any]:
     return array
 
 
-def from_tokens(outputs: npt.NDArray[Any], batch: int, seq: int, select: Tensor | None = None) -> Tensor:
+def from_tokens(
+    outputs: npt.NDArray[Any], batch: int, seq: int, select: Tensor | None = None, dtype: str | None = None
+) -> Tensor:
     """The manager's ``(tokens, heads, head_dim)`` as ``(batch, seq, heads, head_dim)``; pads get zeros.
 
+    Args:
+        outputs: the manager's attention outputs, a new array.
+        batch, seq: the step's rows and columns.
+        select: the flat ``(row, position)`` index of each output; None: every position, in order.
+        dtype: round to the model's dtype (torch's name: a 16-bit model); None: as computed.
+
     Returns:
-        A tensor sharing memory with ``outputs`` (a new array) when nothing is padded, else a new one.
+        A tensor sharing memory with ``outputs`` when nothing is padded and
+        nothing rounded, else a new one.
     """
     torch = require("torch")
     tensor = torch.from_numpy(outputs)
+    if dtype is not None:
+        tensor = tensor.to(torch_dtype(dtype))
     heads, head_dim = outputs.shape[1:]
     if select is None:
         return tensor.view(batch, seq, heads, head_dim)
