@@ -18,7 +18,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pagedkv import ConfigError, InputTypeError, PoolExhaustedError, SequenceStateError, ShapeError  # noqa: E402
+from pagedkv import (  # noqa: E402
+    ConfigError,
+    HybridKVCacheManager,
+    InputTypeError,
+    PoolExhaustedError,
+    SequenceStateError,
+    ShapeError,
+)
 from pagedkv.integrations.transformers import (  # noqa: E402
     ModelSpec,
     PagedCache,
@@ -58,6 +65,13 @@ def build_model(kind: str, dtype: Any = torch.float32) -> Any:
     )
     if kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=8, **common))
+    elif kind == "hybrid":  # Qwen2 with two sliding layers (window 8) to one full: KV-cache groups
+        # (a tiny random Gemma 3 repeats one token; the real one is in tests/test_real_models.py)
+        types = (["sliding_attention"] * 2 + ["full_attention"]) * 2
+        config = transformers.Qwen2Config(
+            **{**common, "num_hidden_layers": 6}, use_sliding_window=True, sliding_window=8, layer_types=types
+        )
+        model = transformers.Qwen2ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.eval().to(dtype)
@@ -134,10 +148,28 @@ def assert_same_as_dynamic(
 
 @pytest.mark.parametrize("mode", ["storage", "attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "hybrid"])
 def test_greedy_generate_matches_dynamic_cache(kind: str, dtype: Any, mode: str) -> None:
     model = build_model(kind, dtype)
     assert_same_as_dynamic(model, mode, (kind, str(dtype), mode))
+
+
+@pytest.mark.parametrize("mode", ["storage", "attention"])
+def test_a_hybrid_model_gets_kv_cache_groups_and_holds_about_what_dynamic_cache_holds(mode: str) -> None:
+    """The sliding layers' group frees what their window left: bytes within 5% of DynamicCache's."""
+    model = build_model("hybrid")
+    ids = torch.randint(3, 96, (1, 33), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    dynamic = transformers.DynamicCache(config=model.config)
+    expected = generate(model, ids, mask, dynamic)
+    set_mode(model, mode)
+    cache = PagedCache.from_model(model, num_blocks=128, block_size=4)
+    got = generate(model, ids, mask, cache)
+    cache.check_invariants()
+    assert isinstance(cache.manager, HybridKVCacheManager)
+    assert torch.equal(got.sequences, expected.sequences)
+    dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    assert cache.num_held_bytes <= 1.05 * dynamic_bytes
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bfloat16", "float16"])
@@ -170,7 +202,7 @@ def test_half_model_pages_are_stored_in_its_dtype(dtype: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["storage", "attention"])
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "hybrid"])
 def test_chunked_prefill_matches_dynamic_cache(kind: str, mode: str) -> None:
     model = build_model(kind)
     generator = torch.Generator().manual_seed(2)
@@ -184,7 +216,7 @@ def test_chunked_prefill_matches_dynamic_cache(kind: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["storage", "attention"])
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "hybrid"])
 def test_beam_search_matches_dynamic_cache_and_beams_share_pages(kind: str, mode: str) -> None:
     model = build_model(kind)
     generator = torch.Generator().manual_seed(3)

@@ -190,7 +190,6 @@ def test_smollm2_holds_about_the_kv_bytes_of_dynamic_cache(mode: str) -> None:
     assert dynamic <= paged < dynamic + block_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="KV-cache groups (issue 29) not landed")
 @pytest.mark.parametrize("mode", MODES)
 def test_gemma_holds_at_most_dynamic_cache_kv_bytes(mode: str) -> None:
     paged, dynamic = kv_bytes_held("gemma3", "float32", mode)

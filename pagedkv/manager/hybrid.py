@@ -35,7 +35,7 @@ from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.events import KVEvent
 from pagedkv.prefix.keys import ExtraKeys
 
-__all__ = ["GroupBatch", "HybridKVCacheManager"]
+__all__ = ["GroupBatch", "HybridKVCacheManager", "locate"]
 
 
 class GroupBatch:
@@ -347,7 +347,7 @@ class HybridKVCacheManager:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError: as ``KVCacheManager.write``.
         """
-        manager, slot = self._locate(layer)
+        manager, slot = self.locate(layer)
         manager.write(slot, _group_batch(batch, self.groups.index(manager)), keys, values)
 
     def attend(
@@ -358,7 +358,7 @@ class HybridKVCacheManager:
         Raises:
             as ``KVCacheManager.attend``.
         """
-        manager, slot = self._locate(layer)
+        manager, slot = self.locate(layer)
         return manager.attend(
             slot, _group_batch(batch, self.groups.index(manager)), queries, method=method, scale=scale
         )
@@ -392,11 +392,19 @@ class HybridKVCacheManager:
             whose next token would attend to tokens it already freed.
         """
         with self._lock:
-            for manager in self.groups:
-                manager._get(seq_id).check_truncate(num_tokens, manager.max_size)
+            self.check_truncate(seq_id, num_tokens)
             # ---- validated in every group ----
             for manager in self.groups:
                 manager.truncate(seq_id, num_tokens)
+
+    def check_truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Raise what ``truncate(seq_id, num_tokens)`` would raise; change nothing.
+
+        Raises:
+            as ``truncate``.
+        """
+        for manager in self.groups:
+            manager._get(seq_id).check_truncate(num_tokens, manager.max_size)
 
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` in every group and give its blocks back.
@@ -524,8 +532,8 @@ class HybridKVCacheManager:
 
     # ---------------------------------------------------------------- private
 
-    def _locate(self, layer: int) -> tuple[KVCacheManager, int]:
-        """The manager and pool layer of model layer ``layer``.
+    def locate(self, layer: int) -> tuple[KVCacheManager, int]:
+        """The group's manager and the pool layer that hold model layer ``layer``.
 
         Raises:
             LayerIndexError: ``layer`` is not a model layer.
@@ -590,3 +598,16 @@ def _group_batch(batch: object, index: int) -> Batch:
     if isinstance(batch, GroupBatch):
         return batch.batches[index]
     raise InputTypeError(f"batch must be the GroupBatch reserve() returned, got {type(batch).__name__}")
+
+
+def locate(manager: KVCacheManager | HybridKVCacheManager, layer: int) -> tuple[KVCacheManager, int]:
+    """The manager and pool layer holding ``layer`` of either kind of manager (a plain one holds all).
+
+    >>> from pagedkv import KVPool
+    >>> plain = KVCacheManager(KVPool(2, block_size=1, head_dim=1, num_layers=2))
+    >>> locate(plain, 1) == (plain, 1)
+    True
+    """
+    if isinstance(manager, HybridKVCacheManager):
+        return manager.locate(layer)
+    return manager, layer

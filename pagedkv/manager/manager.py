@@ -34,7 +34,7 @@ from pagedkv.inputs import (
     torch_array,
 )
 from pagedkv.locking import locked, run_or_defer
-from pagedkv.manager.config import configure
+from pagedkv.manager.config import ManagerConfig, configure
 from pagedkv.manager.metrics import COUNTERS, ManagerMetrics, collect_metrics
 from pagedkv.manager.preempt import check_host_pool, preempt_record, release_record, resume_record
 from pagedkv.manager.prefix_sharing import AdmissionPlan, PrefixSharing, plan_admission
@@ -62,6 +62,9 @@ from pagedkv.prefix.cache import PrefixCache, check_token_ids, pack_token_ids
 from pagedkv.prefix.events import KVEvent, KVEventBuffer
 from pagedkv.prefix.keys import ExtraKeys, encode_extra_keys
 from pagedkv.prefix.stats import PrefixStats
+from pagedkv.tiers.hooks import DeviceTiering
+from pagedkv.tiers.tiered import TieredStore
+from pagedkv.tiers.worker import TierWorker
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
@@ -145,6 +148,16 @@ class KVCacheManager:
         share_pool_with: another prefix-caching manager on the same pool
             whose prefix cache this one's runs beside (one per KV-cache group;
             without it a pool runs one prefix cache).
+        tiers: tiers below the pool (a host tier, file or Redis/Valkey
+            stores; see :mod:`pagedkv.tiers` and docs/tiers.md). Prefix-cached
+            blocks the pool evicts go there (and, under ``write_through``, every
+            block as soon as it is keyed); ``add_sequence`` loads the blocks
+            past the device hit that the tiers hold into new blocks and counts
+            them as cached (``metrics().num_tier_hits``). A load that fails is
+            computed instead. Store writes run on a worker thread
+            (``flush_tiers`` waits for them); loads run in ``add_sequence``,
+            bounded by each store's timeout. Needs prefix caching, full
+            attention (no window) and every pool layer (no KV-cache groups).
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -166,6 +179,7 @@ class KVCacheManager:
         kv_events: bool | int = False,
         num_layers: int | None = None,
         share_pool_with: KVCacheManager | None = None,
+        tiers: TieredStore | None = None,
     ) -> None:
         config = configure(
             pool,
@@ -180,6 +194,7 @@ class KVCacheManager:
             kv_events=kv_events,
             num_layers=num_layers,
         )
+        tiering = None if tiers is None else _tiering(pool, config, tiers, share_pool_with)
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
         self.pool = pool
         #: The validated configuration; the attributes below mirror it.
@@ -206,6 +221,12 @@ class KVCacheManager:
             if config.enable_prefix_caching
             else None
         )
+        #: The tiers below the pool and how blocks move to them, or None (``tiers``).
+        self.tiering = tiering
+        if tiering is not None and self._sharing is not None:
+            self._sharing.attach_tiers(tiering)
+            if tiering.worker is not None:
+                weakref.finalize(self, tiering.worker.close)
         # The pools hold these weakly; the manager keeps them alive.
         self._holders = [
             SequenceHolder(self._seqs, SequenceState.RUNNING),
@@ -612,13 +633,30 @@ class KVCacheManager:
         first. Applying every drain in order leaves a consumer's index equal
         to the prefix cache's keys, overflow or not.
 
+        With ``tiers``, the tiers' ``BlockStored`` / ``BlockRemoved`` follow the
+        pool's, each naming its tier in ``medium`` (``"CPU"``, ``"DISK"``,
+        ``"REDIS"``; the pool's say ``"GPU"``); a resync covers the pool only.
+
         Raises:
             ConfigError: events are off (``kv_events=False``).
         """
         events = self.kv_events
         if events is None:
             raise ConfigError("KV events are off: pass enable_prefix_caching=True, kv_events=True")
-        return events.drain()
+        drained = events.drain()
+        if self.tiering is not None:
+            drained.extend(self.tiering.tiers.drain_events())
+        return drained
+
+    def flush_tiers(self) -> None:
+        """Wait until every block offered to the tiers (evicted, or keyed under write-through) is stored.
+
+        Without ``tiers``, or with a host tier alone, there is nothing to wait for.
+        A store that is down makes each write fail within its timeout (counted
+        in ``metrics().num_tier_errors``); this never raises for it.
+        """
+        if self.tiering is not None:
+            self.tiering.flush()
 
     @locked
     def lookup(
@@ -695,6 +733,10 @@ class KVCacheManager:
             self._counters,
             num_cached_blocks=cache.num_cached_blocks if cache else 0,
             num_prefix_evictions=cache.num_evictions if cache else 0,
+            num_tier_hits=self._sharing.num_tier_hits if self._sharing is not None else 0,
+            num_tier_errors=(
+                self.tiering.tiers.num_store_errors + self.tiering.tiers.num_refused if self.tiering else 0
+            ),
         )
 
     @locked
@@ -948,6 +990,29 @@ def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tupl
             f"{name} must have shape (num_tokens, num_heads, head_dim) = {expected}, got {array.shape}"
         )
     check_tokens(name, value, dtype, expected)  # raises: no other value fits an empty step
+
+
+def _tiering(
+    pool: KVPool, config: ManagerConfig, tiers: TieredStore, share_pool_with: KVCacheManager | None
+) -> DeviceTiering:
+    """How ``pool``'s evicted prefix blocks move to ``tiers`` (a worker thread when they have stores).
+
+    Raises:
+        InputTypeError: ``tiers`` is not a TieredStore.
+        ConfigError: no prefix caching, a window, KV-cache groups, or tiers of another block layout.
+    """
+    if not isinstance(tiers, TieredStore):
+        raise InputTypeError(f"tiers must be a pagedkv.tiers.TieredStore, got {type(tiers).__name__}")
+    if not config.enable_prefix_caching:
+        raise ConfigError("tiers keep prefix-cached blocks: pass enable_prefix_caching=True with tiers")
+    if config.window is not None:
+        raise ConfigError(f"tiers run with full attention only for now, got a window of {config.window} "
+                          "tokens; drop max_size / layer_max_sizes or the tiers")
+    if share_pool_with is not None or config.num_layers != pool.num_layers:
+        raise ConfigError(f"tiers copy every layer of a block: use all {pool.num_layers} pool layers "
+                          f"(got num_layers={config.num_layers}) and no share_pool_with (KV-cache groups)")
+    # NOTE: a worker only when there are stores: a host-only tier is a memcpy, cheaper inline.
+    return DeviceTiering(pool, tiers, TierWorker(tiers) if tiers.stores else None)
 
 
 def _shared_prefix_cache(pool: KVPool, other: KVCacheManager | None) -> PrefixCache | None:

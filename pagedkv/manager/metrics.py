@@ -79,6 +79,11 @@ class ManagerMetrics:
             pool of the process (the budget is process-wide).
         map_area_limit: the most areas page views may hold
             (``vm.max_map_count`` less a headroom).
+        num_tier_hits: prompt tokens loaded from the tiers below the pool
+            (``KVCacheManager(tiers=...)``); also counted in ``num_prefix_hits``.
+        num_tier_errors: tier store calls that failed (a server down or slow)
+            plus stored values refused (damaged, stale, another layout): each
+            meant recompute, never wrong KV.
     """
 
     num_blocks: int
@@ -115,6 +120,9 @@ class ManagerMetrics:
     num_mapped_blocks: int
     num_map_areas_used: int
     map_area_limit: int
+    # NOTE: kept out of COUNTERS (which a snapshot saves and requires), so old snapshot files load.
+    num_tier_hits: int = 0
+    num_tier_errors: int = 0
 
     def as_dict(self) -> dict[str, float | int | str]:
         """The metrics as a plain dict (for JSON)."""
@@ -130,6 +138,8 @@ def collect_metrics(
     *,
     num_cached_blocks: int,
     num_prefix_evictions: int,
+    num_tier_hits: int = 0,
+    num_tier_errors: int = 0,
 ) -> ManagerMetrics:
     """The metrics of a manager, from its pools, its sequences' states and tables, and its counters.
 
@@ -141,6 +151,7 @@ def collect_metrics(
         counters: the manager's event counters.
         num_cached_blocks: blocks with a prefix key.
         num_prefix_evictions: prefix keys dropped for reuse so far.
+        num_tier_hits, num_tier_errors: the tiers' counts (see :class:`ManagerMetrics`).
     """
     bs = pool.block_size
     num_live_slots, _ = count_live_slots(running, pool.allocator)
@@ -182,4 +193,6 @@ def collect_metrics(
         num_mapped_blocks=pool.num_mapped_blocks,
         num_map_areas_used=budget.num_used,
         map_area_limit=budget.limit,
+        num_tier_hits=num_tier_hits,
+        num_tier_errors=num_tier_errors,
     )

@@ -33,6 +33,7 @@ from pagedkv.prefix.cache import (
 from pagedkv.prefix.events import KVEventBuffer
 from pagedkv.prefix.keys import ExtraKeys, decode_extra_keys, encode_extra_keys
 from pagedkv.prefix.stats import HitWindow
+from pagedkv.tiers.hooks import DeviceTiering
 
 __all__ = ["AdmissionPlan", "PrefixSharing", "plan_admission"]
 
@@ -99,6 +100,10 @@ class PrefixSharing:
         self.cache.events = events
         #: Hit rates, cumulative and over the most recent requests.
         self.stats = HitWindow()
+        #: The tiers below the pool (``KVCacheManager(tiers=...)``), or None; see :meth:`attach_tiers`.
+        self.tiering: DeviceTiering | None = None
+        #: Prompt tokens loaded from the tiers (each also counted as a prefix hit).
+        self.num_tier_hits = 0
         # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
         self._memo: tuple[bytes, bytes, list[bytes]] | None = None
 
@@ -119,6 +124,28 @@ class PrefixSharing:
                 KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
             ),
         )
+
+    def attach_tiers(self, tiering: DeviceTiering) -> None:
+        """Evicted keyed blocks go to ``tiering``; admissions look past the device hit into it.
+
+        NOTE: full attention only (the manager refuses tiers with a window):
+        a windowed hit needs only the blocks its window reaches (``find_hit``),
+        which a run of keys from the first does not describe.
+        """
+        self.tiering = tiering
+        self.cache.on_evict_key = tiering.evicted
+
+    def tier_run(self, keys: list[bytes], num_device_blocks: int, max_blocks: int | None) -> list[str]:
+        """The medium of each block past a device hit of ``num_device_blocks`` that the tiers hold (a run).
+
+        Empty without tiers or with a window. Changes nothing but the tiers' error counts.
+        """
+        if self.tiering is None or self._window is not None:
+            return []
+        end = len(keys) if max_blocks is None else min(len(keys), max_blocks)
+        if num_device_blocks >= end:
+            return []
+        return self.tiering.extend_hit(keys[num_device_blocks:end])
 
     def reset(self, num_used_blocks: int) -> None:
         """Drop every key (``KVCacheManager.reset_prefix_cache``); refused while blocks are in use.
@@ -235,19 +262,47 @@ class PrefixSharing:
         record.block_keys = keys[:num_blocks]
         record.prompt_keys = chain[num_blocks:]
         record.prompt_tokens = reference if record.prompt_keys else b""
-        if not num_blocks:
+        num_tier_found = len(self.tier_run(keys, num_blocks, max_blocks))
+        if not num_blocks and not num_tier_found:
             return 0
-        num_hit = num_blocks * bs
         allocator = self._allocator
         for block_id in held:
             if allocator.ref_count(block_id) == 0:
                 allocator.revive(block_id)
             else:
                 allocator.share([block_id])
-        record.table = BlockTable.restored(bs, self._num_sink_tokens, num_hit, window_start, held)
+        loaded = self._load_from_tiers(keys[num_blocks : num_blocks + num_tier_found])
+        num_device_blocks, num_blocks = num_blocks, num_blocks + len(loaded)
+        num_hit = num_blocks * bs
+        if not num_hit:
+            return 0
+        if loaded:
+            window_start = min(self._num_sink_tokens, num_hit)  # full attention: tiers run without a window
+            record.block_keys = keys[:num_blocks]
+            record.prompt_keys = chain[num_blocks:]
+            record.prompt_tokens = reference if record.prompt_keys else b""
+        record.table = BlockTable.restored(bs, self._num_sink_tokens, num_hit, window_start, [*held, *loaded])
         record.num_written = [num_hit] * self._num_layers
         record.token_ids = token_ids[:num_hit]
+        if loaded:
+            self._register(record, range(num_device_blocks, num_blocks))
+            self.num_tier_hits += len(loaded) * bs
         return num_hit
+
+    def _load_from_tiers(self, keys: list[bytes]) -> list[int]:
+        """Load the blocks of ``keys`` (a run the tiers hold) into fresh device blocks; their ids.
+
+        Takes only as many blocks as are free; blocks whose load failed (the
+        store went down, a value did not check) go back, and the caller
+        computes from the first of them on.
+        """
+        tiering, allocator = self.tiering, self._allocator
+        if tiering is None or not keys:
+            return []
+        block_ids = allocator.allocate(min(len(keys), allocator.num_free_blocks))
+        num_loaded = tiering.load(keys[: len(block_ids)], block_ids)
+        allocator.free(block_ids[num_loaded:][::-1])
+        return block_ids[:num_loaded]
 
     def key_full_blocks(self, record: SequenceRecord) -> None:
         """Give keys to ``record``'s blocks that are full and written in every layer.
@@ -276,6 +331,11 @@ class PrefixSharing:
             new_keys += block_keys(parent, tokens, bs, record.extras, self._hasher, num_ready)
         record.block_keys.extend(new_keys)
         self._register(record, range(first, num_full))
+        tiering = self.tiering
+        if tiering is not None and tiering.tiers.write_policy == "write_through":
+            block_ids = record.table.ids_of_blocks(range(first, num_full))
+            written = [(b, k) for b, k in zip(block_ids, new_keys) if b is not None]
+            tiering.keyed([b for b, _ in written], [k for _, k in written])
 
     def retract_truncated(self, record: SequenceRecord, released: list[int]) -> None:
         """After ``record.truncate``, drop the keys its rollback made untrue or unowned.
@@ -381,6 +441,11 @@ class AdmissionPlan(NamedTuple):
         num_new_blocks: blocks one ``reserve`` of the rest of the prompt takes.
         num_free_blocks: the pool's free blocks now (plain and cached).
         fits: whether ``len(revived_block_ids) + num_new_blocks <= num_free_blocks``.
+        num_tier_blocks: blocks past the device hit that the tiers below the
+            pool hold (``KVCacheManager(tiers=...)``); admitting loads them
+            into new blocks (counted in ``num_new_blocks``) and counts their
+            tokens in ``num_cached_tokens``. A load may still fail (the store
+            went down, evicted or damaged a value): then admission computes them.
     """
 
     num_cached_tokens: int
@@ -389,6 +454,7 @@ class AdmissionPlan(NamedTuple):
     num_new_blocks: int
     num_free_blocks: int
     fits: bool
+    num_tier_blocks: int = 0
 
     @property
     def num_blocks_taken(self) -> int:
@@ -412,7 +478,7 @@ def plan_admission(
     extras = encode_extra_keys(extra_keys)
     what = "prompt must be a sequence of token ids"
     held: list[int] = []
-    num_hit = 0
+    num_hit = num_tier = 0
     if sharing is None:
         check_token_ids(prompt, what)
     else:
@@ -420,14 +486,17 @@ def plan_admission(
         num_usable = max(0, (len(token_ids) - 1) // block_size)
         keys = sharing.prompt_keys([], tokens, num_usable, extras)
         num_hit, _, held = sharing.find_hit(keys if max_blocks is None else keys[:max_blocks])
+        num_tier = len(sharing.tier_run(keys, num_hit, max_blocks))
     revived = tuple(block_id for block_id in held if allocator.ref_count(block_id) == 0)
     num_new = ceil_div(len(prompt), block_size) - num_hit
     num_free = allocator.num_free_blocks
+    num_tier = min(num_tier, num_free - len(revived))
     return AdmissionPlan(
-        num_cached_tokens=num_hit * block_size,
+        num_cached_tokens=(num_hit + num_tier) * block_size,
         num_shared_blocks=len(held),
         revived_block_ids=revived,
         num_new_blocks=num_new,
         num_free_blocks=num_free,
         fits=len(revived) + num_new <= num_free,
+        num_tier_blocks=max(0, num_tier),
     )

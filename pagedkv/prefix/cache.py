@@ -268,6 +268,10 @@ class PrefixCache:
         self.num_evictions = 0
         #: Where key changes are reported (``kv_events``), or None.
         self.events: KVEventBuffer | None = None
+        #: Called with ``(block_id, key)`` when a keyed block is evicted for reuse, before its key
+        #: is dropped and while its bytes are intact (the tiers copy them), or None. It runs
+        #: under the pool's lock from inside ``allocate``: it must not block and must not raise.
+        self.on_evict_key: Callable[[int, bytes], None] | None = None
 
     @property
     def allocator(self) -> BlockAllocator:
@@ -432,6 +436,9 @@ class PrefixCache:
             raise AssertionError("the KV event buffer's keyed hashes differ from the cache's keys")
 
     def _evicted(self, block_id: int) -> None:
+        listener = self.on_evict_key
+        if listener is not None:
+            listener(block_id, self._key_of[block_id])
         key = self._key_of.pop(block_id)
         del self._block_of[key]
         self.num_evictions += 1

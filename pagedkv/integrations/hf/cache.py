@@ -42,8 +42,9 @@ from pagedkv.integrations.hf.tensors import (
     to_tokens,
     torch_dtype,
 )
+from pagedkv.manager.groups import GroupLayout
+from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.manager.manager import KVCacheManager
-from pagedkv.manager.reserve import Batch
 from pagedkv.memory.pool import KVPool
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "take_pending"]
@@ -72,7 +73,7 @@ def take_pending(key: object) -> tuple[PagedCache, int] | None:
 class _Step:
     """One forward step: its reservation, the stored token positions, the pool layers written."""
 
-    batch: Batch | None  # None when every new position is padding
+    batch: Any  # Batch (GroupBatch for a hybrid manager); None when every new position is padding
     select: Tensor | None  # flat (row, position) indices stored; None: all of them
     written: set[int] = field(default_factory=set)
 
@@ -101,10 +102,15 @@ class PagedCache(_Cache):  # type: ignore[misc]
     """
 
     def __init__(
-        self, manager: KVCacheManager, spec: ModelSpec, *, config: Any = None, read_cache: bool = True
+        self,
+        manager: KVCacheManager | HybridKVCacheManager,
+        spec: ModelSpec,
+        *,
+        config: Any = None,
+        read_cache: bool = True,
     ) -> None:
         pool = manager.pool
-        shape = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, manager.num_q_heads)
+        shape = (manager.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, manager.num_q_heads)
         wanted = (len(spec.storing_layers), spec.num_kv_heads, spec.head_dim, spec.dtype, spec.num_q_heads)
         if shape != wanted:
             raise ConfigError(
@@ -140,7 +146,12 @@ class PagedCache(_Cache):  # type: ignore[misc]
         Args:
             model: a decoder-only transformers model in float32, float64, or
                 float16 / bfloat16 (pages stored in that dtype, computed in float32).
-            num_blocks: blocks in the pool (each holds ``block_size`` tokens of every storing layer).
+            num_blocks: the pool's memory, in blocks of ``block_size`` tokens of every
+                storing layer. A model whose layers have different windows
+                (Gemma 2/3, gpt-oss, Mistral's ``layer_types``) gets one KV-cache
+                group per window (:class:`~pagedkv.HybridKVCacheManager`), each
+                freeing what its window no longer sees; its blocks hold one
+                group's layers, so the same memory makes proportionally more.
             block_size: token slots per block.
             trusted_inputs: skip scanning the values the model writes (keys are
                 still scanned); see ``KVCacheManager(trusted_inputs=...)``.
@@ -152,23 +163,34 @@ class PagedCache(_Cache):  # type: ignore[misc]
         spec = read_spec(model)
         if not spec.storing_layers:
             raise ConfigError("the model has no layer that stores keys; it needs no KV cache")
+        # Layers of different windows: one KV-cache group each (docs/groups.md); the pool's
+        # blocks hold one group's layers, so the same bytes make more blocks.
+        windows = spec.pool_windows
+        layout = GroupLayout.from_layer_windows(windows) if len(set(windows)) > 1 else None
+        num_pool_layers = len(windows) if layout is None else layout.layers_per_group
         pool = KVPool(
-            num_blocks,
+            num_blocks * len(windows) // num_pool_layers,
             block_size=block_size,
-            num_layers=len(spec.storing_layers),
+            num_layers=num_pool_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             dtype=spec.dtype,
             key_dtype=spec.page_dtype,
             value_dtype=spec.page_dtype,
         )
-        manager = KVCacheManager(
-            pool,
-            layer_max_sizes=spec.pool_windows,
-            num_q_heads=spec.num_q_heads,
-            scale=spec.scale,
-            trusted_inputs=trusted_inputs,
-        )
+        manager: KVCacheManager | HybridKVCacheManager
+        if layout is None:
+            manager = KVCacheManager(
+                pool,
+                layer_max_sizes=spec.pool_windows,
+                num_q_heads=spec.num_q_heads,
+                scale=spec.scale,
+                trusted_inputs=trusted_inputs,
+            )
+        else:
+            manager = HybridKVCacheManager(
+                pool, layout, num_q_heads=spec.num_q_heads, scale=spec.scale, trusted_inputs=trusted_inputs
+            )
         return cls(manager, spec, config=model.config, read_cache=read_cache)
 
     # ---------------------------------------------------------------- queries
@@ -189,8 +211,15 @@ class PagedCache(_Cache):  # type: ignore[misc]
         return self._mode
 
     def block_ids(self, row: int) -> list[int]:
-        """The block table of ``row``'s sequence (a copy)."""
-        return list(self.manager.block_table(self._rows.seq_ids[row]).block_ids)
+        """The blocks ``row``'s sequence holds (a copy): its block table, or every group's in turn."""
+        manager, seq_id = self.manager, self._rows.seq_ids[row]
+        if isinstance(manager, HybridKVCacheManager):
+            return [
+                block_id
+                for group in range(len(manager.groups))
+                for block_id in manager.block_table(seq_id, group).block_ids
+            ]
+        return list(manager.block_table(seq_id).block_ids)
 
     @property
     def num_held_bytes(self) -> int:
@@ -395,7 +424,9 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._check_settled("crop")
         kept = columns - num_removed
         pads = self._rows.num_pads
-        self._rows.truncate([max(0, kept - num_pads) for num_pads in pads], self.manager.max_size)
+        manager = self.manager
+        window = None if isinstance(manager, HybridKVCacheManager) else manager.max_size
+        self._rows.truncate([max(0, kept - num_pads) for num_pads in pads], window)
         self._rows.num_pads = [min(num_pads, kept) for num_pads in pads]
         for layer in self.spec.storing_layers:
             self._num_columns[layer] = kept
@@ -409,7 +440,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         for buffer in self._buffers:
             buffer.check_invariants()
         step = self._step
-        if step is not None and len(step.written) < self.manager.pool.num_layers:
+        if step is not None and len(step.written) < len(self.spec.storing_layers):
             return  # mid-step: layers legitimately differ
         columns = {self._num_columns[layer] for layer in self.spec.storing_layers}
         if len(columns) > 1:
@@ -459,7 +490,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
 
     def _check_settled(self, what: str) -> None:
         step = self._step
-        if step is not None and len(step.written) < self.manager.pool.num_layers:
+        if step is not None and len(step.written) < len(self.spec.storing_layers):
             missing = [layer for i, layer in enumerate(self.spec.storing_layers) if i not in step.written]
             raise SequenceStateError(
                 f"model layers {missing} stored nothing in the last step, so {what} cannot run; the step "

@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from pagedkv.integrations.hf.extra import require
 from pagedkv.integrations.hf.tensors import Tensor, raw_array
+from pagedkv.manager.hybrid import HybridKVCacheManager, locate
 from pagedkv.manager.manager import KVCacheManager
 
 __all__ = ["LayerBuffer", "read_rows"]
@@ -43,9 +44,15 @@ MIN_CAPACITY = 64
 
 
 def read_rows(
-    manager: KVCacheManager, seq_ids: Sequence[Hashable], pool_layer: int, start: int, end: int
+    manager: KVCacheManager | HybridKVCacheManager,
+    seq_ids: Sequence[Hashable],
+    pool_layer: int,
+    start: int,
+    end: int,
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """Every row's keys and values ``start .. end - 1`` of one pool layer, gathered into new arrays.
+
+    ``pool_layer`` is a layer of the manager: of a hybrid one, a model layer its group holds.
 
     Returns:
         ``(keys, values)``, each ``(rows, kv_heads, end - start, head_dim)``, new
@@ -62,11 +69,12 @@ def read_rows(
     [1.0, 2.0]
     """
     pool = manager.pool
+    group, layer = locate(manager, pool_layer)
     shape = (len(seq_ids), pool.num_kv_heads, end - start, pool.head_dim)  # (rows, heads, seq, head_dim)
     keys, values = np.empty(shape, pool.dtype), np.empty(shape, pool.dtype)
     for row, seq_id in enumerate(seq_ids):
-        plan = manager.block_table(seq_id).read_plan([(start, end)])
-        keys[row], values[row] = pool.gather(pool_layer, plan)  # (heads, seq, head_dim) views or scratch
+        plan = group.block_table(seq_id).read_plan([(start, end)])
+        keys[row], values[row] = pool.gather(layer, plan)  # (heads, seq, head_dim) views or scratch
     return keys, values
 
 

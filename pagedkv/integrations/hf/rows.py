@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import ConfigError, SequenceStateError
+from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.manager.manager import KVCacheManager
 
 __all__ = ["RowSequences"]
@@ -39,7 +40,7 @@ class RowSequences:
     (2, 0)
     """
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager | HybridKVCacheManager) -> None:
         self.manager = manager
         #: The sequence of each row, in row order.
         self.seq_ids: list[Hashable] = []
@@ -97,6 +98,12 @@ class RowSequences:
             SequenceStateError: some row would keep (or need) tokens its window already evicted.
         """
         manager = self.manager
+        if isinstance(manager, HybridKVCacheManager):  # each group checks its own window
+            for seq_id, keep in zip(self.seq_ids, num_tokens):
+                manager.check_truncate(seq_id, keep)
+            for seq_id, keep in zip(self.seq_ids, num_tokens):
+                manager.truncate(seq_id, keep)
+            return
         for seq_id, keep in zip(self.seq_ids, num_tokens):
             held_from = manager.window_start(seq_id)
             needed_from = keep if window is None else max(0, keep + 1 - window)
