@@ -56,8 +56,12 @@ def uniform(budget: int, length: int) -> int:
 
 def one_pool(budget: int, length: int) -> int:
     layout = GroupLayout.from_layer_windows(WINDOWS)
-    pool = KVPool(budget // layout.layers_per_group, block_size=BLOCK_SIZE, head_dim=1,
-                  num_layers=layout.layers_per_group)
+    pool = KVPool(
+        budget // layout.layers_per_group,
+        block_size=BLOCK_SIZE,
+        head_dim=1,
+        num_layers=layout.layers_per_group,
+    )
     manager = HybridKVCacheManager(pool, layout)
 
     def reserve_all(seq: str, n: int) -> None:
@@ -80,8 +84,12 @@ def pool_per_group(budget: int, length: int, design_tokens: int) -> int:
     managers = []
     for group, need in zip(layout.groups, needs):
         layers = len(group.layers)
-        pool = KVPool(max(1, budget * need // sum(needs) // layers), block_size=BLOCK_SIZE, head_dim=1,
-                      num_layers=layers)
+        pool = KVPool(
+            max(1, budget * need // sum(needs) // layers),
+            block_size=BLOCK_SIZE,
+            head_dim=1,
+            num_layers=layers,
+        )
         managers.append(KVCacheManager(pool, max_size=group.window))
 
     def reserve_all(seq: str, n: int) -> None:
@@ -112,12 +120,21 @@ def _zeros(n: int):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-blocks", type=int, default=60000, help="layer-blocks of memory (all layouts)")
-    parser.add_argument("--design-tokens", type=int, default=4096, help="length the per-group split is sized for")
+    parser.add_argument(
+        "--budget-blocks", type=int, default=60000, help="layer-blocks of memory (all layouts)"
+    )
+    parser.add_argument(
+        "--design-tokens", type=int, default=4096, help="length the per-group split is sized for"
+    )
     args = parser.parse_args()
-    print(f"Gemma 3 270M layers (3 full + 15 sliding, window 512), block_size {BLOCK_SIZE}, "
-          f"{args.budget_blocks} layer-blocks; per-group pools split for {args.design_tokens}-token requests")
-    print(f"{'tokens':>7} | {'uniform':>8} | {'one pool':>8} | {'pool/group':>10} | one pool ÷ uniform | ÷ pool/group")
+    print(
+        f"Gemma 3 270M layers (3 full + 15 sliding, window 512), block_size {BLOCK_SIZE}, "
+        f"{args.budget_blocks} layer-blocks; per-group pools split for {args.design_tokens}-token requests"
+    )
+    print(
+        f"{'tokens':>7} | {'uniform':>8} | {'one pool':>8} | {'pool/group':>10} | "
+        "one pool ÷ uniform | ÷ pool/group"
+    )
     for length in (256, 512, 1024, 2048, 4096, 8192, 16384):
         counts = (
             uniform(args.budget_blocks, length),
@@ -126,7 +143,10 @@ def main() -> None:
         )
         ratio_u = counts[1] / counts[0] if counts[0] else float("inf")
         ratio_p = counts[1] / counts[2] if counts[2] else float("inf")
-        print(f"{length:>7} | {counts[0]:>8} | {counts[1]:>8} | {counts[2]:>10} | {ratio_u:>18.2f} | {ratio_p:>12.2f}")
+        print(
+            f"{length:>7} | {counts[0]:>8} | {counts[1]:>8} | {counts[2]:>10} | "
+            f"{ratio_u:>18.2f} | {ratio_p:>12.2f}"
+        )
 
 
 if __name__ == "__main__":
