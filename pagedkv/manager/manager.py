@@ -217,7 +217,7 @@ class KVCacheManager:
         self._scan_index = np.empty((), np.intp)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._sharing = (
-            PrefixSharing.for_manager(pool, config, _shared_prefix_cache(pool, share_pool_with))
+            PrefixSharing(pool, config, _shared_prefix_cache(pool, share_pool_with))
             if config.enable_prefix_caching
             else None
         )

@@ -63,13 +63,11 @@ class PrefixSharing:
         reserve(a, [9])      a copies block 1 first; block 1 waits, still keyed, in the cached free queue
 
     Args:
-        allocator: the device pool's allocator.
-        block_size: the pool's block size.
-        num_sink_tokens: the manager's sink tokens (sink blocks are always shared).
-        window: the window that frees blocks, or None.
-        num_layers: layers of the pool (a hit counts as written in every one).
-        hash_algorithm: the block hash's name (see :func:`~pagedkv.prefix.cache.hash_function`).
-        events: where key changes are reported (``kv_events``), or None.
+        pool: the device pool (its allocator's blocks are keyed).
+        config: the manager's configuration: its sink tokens (sink blocks are
+            always shared), the window that frees blocks, its layers (a hit
+            counts as written in every one), the block hash's name and the
+            bound of the KV event buffer (none when 0).
         share_with: the prefix cache of another KV-cache group on the same pool.
 
     Raises:
@@ -77,27 +75,19 @@ class PrefixSharing:
         ImportError: ``"xxh3_128"`` without the ``xxhash`` extra.
     """
 
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        *,
-        block_size: int,
-        num_sink_tokens: int,
-        window: int | None,
-        num_layers: int,
-        hash_algorithm: str,
-        events: KVEventBuffer | None = None,
-        share_with: PrefixCache | None = None,
-    ) -> None:
-        self._hasher = hash_function(hash_algorithm)
+    def __init__(self, pool: KVPool, config: ManagerConfig, share_with: PrefixCache | None = None) -> None:
+        allocator = pool.allocator
+        self._hasher = hash_function(config.hash_algorithm)
         self._allocator = allocator
-        self._block_size = block_size
-        self._num_sink_tokens = num_sink_tokens
-        self._window = window
-        self._num_layers = num_layers
+        self._block_size = pool.block_size
+        self._num_sink_tokens = config.num_sink_tokens
+        self._window = config.window
+        self._num_layers = config.num_layers
         #: The key -> block map itself.
         self.cache = PrefixCache(allocator, share_with=share_with)
-        self.cache.events = events
+        self.cache.events = (
+            KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
+        )
         #: Hit rates, cumulative and over the most recent requests.
         self.stats = HitWindow()
         #: The tiers below the pool (``KVCacheManager(tiers=...)``), or None; see :meth:`attach_tiers`.
@@ -106,24 +96,6 @@ class PrefixSharing:
         self.num_tier_hits = 0
         # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
         self._memo: tuple[bytes, bytes, list[bytes]] | None = None
-
-    @classmethod
-    def for_manager(
-        cls, pool: KVPool, config: ManagerConfig, share_with: PrefixCache | None = None
-    ) -> PrefixSharing:
-        """The prefix sharing of a manager on ``pool`` configured with ``config``."""
-        return cls(
-            pool.allocator,
-            block_size=pool.block_size,
-            num_sink_tokens=config.num_sink_tokens,
-            window=config.window,
-            num_layers=config.num_layers,
-            hash_algorithm=config.hash_algorithm,
-            share_with=share_with,
-            events=(
-                KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
-            ),
-        )
 
     def attach_tiers(self, tiering: DeviceTiering) -> None:
         """Evicted keyed blocks go to ``tiering``; admissions look past the device hit into it.
