@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.blocks.table import BlockTable, ReadPlan
+from pagedkv.counts import ChunkedWindow
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 
@@ -474,15 +475,22 @@ def attend_chunked_masked(
 def visible_ranges(num_sink_tokens: int, window: int | None, position: int) -> list[tuple[int, int]]:
     """Logical index ranges ``[start, end)`` the token at ``position`` attends to.
 
+    A :class:`~pagedkv.counts.ChunkedWindow` window sees its chunk only.
+
     >>> visible_ranges(2, 3, 9)
     [(0, 2), (7, 10)]
-    >>> visible_ranges(0, None, 4)
-    [(0, 5)]
+    >>> visible_ranges(0, None, 4), visible_ranges(0, ChunkedWindow(4), 9)
+    ([(0, 5)], [(8, 10)])
     """
     if window is None and not num_sink_tokens and position >= 0:  # the common case, at once
         return [(0, position + 1)]
     sinks = min(num_sink_tokens, position + 1)
-    start = sinks if window is None else max(sinks, position + 1 - window)
+    if window is None:
+        start = sinks
+    elif window.__class__ is ChunkedWindow:
+        start = max(sinks, position - position % window)
+    else:
+        start = max(sinks, position + 1 - window)
     ranges = [(0, sinks)] if sinks else []
     if position + 1 > start:
         ranges.append((start, position + 1))
@@ -540,7 +548,10 @@ def _prefill_mask(
     query_positions = np.arange(last + 1 - num_queries, last + 1)
     mask = positions[None, :] <= query_positions[:, None]
     if window is not None:
-        in_window = positions[None, :] > query_positions[:, None] - window
+        if window.__class__ is ChunkedWindow:  # each query sees its own chunk
+            in_window = positions[None, :] >= (query_positions - query_positions % window)[:, None]
+        else:
+            in_window = positions[None, :] > query_positions[:, None] - window
         mask &= in_window | (positions[None, :] < table.num_sink_tokens)
     result: npt.NDArray[np.bool_] = mask
     return result

@@ -17,7 +17,7 @@ from typing import cast
 
 from pagedkv.errors import ConfigError, InputTypeError, LayerIndexError
 
-__all__ = ["ceil_div", "check_count", "check_layer", "check_max_size", "window_blocks"]
+__all__ = ["ChunkedWindow", "ceil_div", "check_count", "check_layer", "check_max_size", "window_blocks"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -65,6 +65,36 @@ def check_count(name: str, value: object, *, minimum: int = 1) -> int:
     return count
 
 
+class ChunkedWindow(int):
+    """Chunked local attention of ``C`` tokens (Llama 4): the token at ``p`` sees ``p // C * C .. p``.
+
+    As an int it is the sliding window ``C``, which holds every token a chunk
+    can see: blocks are freed, prefix hits accepted and truncations checked by
+    that window (at most one chunk more than a chunk needs); attention masks by
+    the chunk::
+
+        C = 4:  token 9 sees 8 9 (its chunk 8..11), where a window of 4 sees 6 7 8 9
+
+    >>> ChunkedWindow(4), int(ChunkedWindow(4)) == 4
+    (ChunkedWindow(4), True)
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, size: object) -> ChunkedWindow:
+        checked = check_max_size(size, "attention_chunk_size")
+        if checked is None:
+            raise ConfigError("attention_chunk_size must be a positive int, got None")
+        return super().__new__(cls, checked)
+
+    def __repr__(self) -> str:
+        return f"ChunkedWindow({int(self)})"
+
+    def chunk_start(self, position: int) -> int:
+        """The first index the token at ``position`` sees."""
+        return position - position % self
+
+
 def check_max_size(max_size: object, name: str = "max_size") -> int | None:
     """Validate a window size: ``None`` (unbounded) or a positive int.
 
@@ -74,6 +104,8 @@ def check_max_size(max_size: object, name: str = "max_size") -> int | None:
     """
     if max_size is None:
         return None
+    if max_size.__class__ is ChunkedWindow:
+        return max_size  # validated when made
     if not _is_int(max_size):
         raise InputTypeError(
             f"{name} must be None or a positive int, got {max_size!r} ({type(max_size).__name__})"

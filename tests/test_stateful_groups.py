@@ -1,11 +1,12 @@
 """A Hypothesis state machine over ``HybridKVCacheManager`` against a model that knows no blocks.
 
-Drawn once per example and tiny: 2–4 layers, each full attention or a window
-of 1–5 (one sink sometimes), blocks of 1–3 slots, 10–30 blocks, prefix caching
-on or off. The model keeps each sequence's token ids and whether it runs;
-every key and value is a function of the token ids up to it and the layer, so
-a prefix hit must hand back exactly what the sequence would have written. It
-predicts, from those alone:
+Drawn once per example and tiny: 2–4 layers, each full attention, a window
+of 1–4 (one sink sometimes) or chunked local attention of 2–4 (Llama 4),
+blocks of 1–3 slots, 6–16 blocks, prefix caching on or off. The model keeps
+each sequence's token ids and whether it runs; every key and value is a
+function of the token ids up to it and the layer, so a prefix hit must hand
+back exactly what the sequence would have written. It predicts, from those
+alone:
 
 * every attend output of every layer: the pure-Python oracle over the tokens
   that layer sees (its own window, its sinks);
@@ -34,6 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import KVPool, PoolExhaustedError, SequenceStateError
+from pagedkv.counts import ChunkedWindow
 from pagedkv.manager.groups import GroupLayout
 from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.testing.oracle import attend, within_tolerance
@@ -50,7 +52,12 @@ def value(token_ids: tuple[int, ...], layer: int, part: int) -> list[float]:
 
 
 def sees(position: int, sinks: int, window: int | None) -> list[int]:
-    """Indices the token at ``position`` attends to (written again here: no shared code)."""
+    """Indices the token at ``position`` attends to (written again here: no shared code).
+
+    A chunked layer (``ChunkedWindow(C)``) sees the tokens of its own chunk of ``C``.
+    """
+    if isinstance(window, ChunkedWindow):
+        return list(range((position // int(window)) * int(window), position + 1))
     first = sinks if window is None else max(sinks, position - window + 1)
     return [i for i in range(position + 1) if i < sinks or i >= first]
 
@@ -64,7 +71,11 @@ class Model:
 
 class GroupsMachine(RuleBasedStateMachine):
     @initialize(
-        windows=st.lists(st.one_of(st.none(), st.integers(1, 4)), min_size=2, max_size=4),
+        windows=st.lists(
+            st.one_of(st.none(), st.integers(1, 4), st.integers(2, 4).map(ChunkedWindow)),
+            min_size=2,
+            max_size=4,
+        ),
         block_size=st.integers(1, 3),
         num_blocks=st.integers(6, 16),
         sinks=st.sampled_from([0, 0, 1]),
@@ -330,3 +341,14 @@ def test_machine_catches_a_hit_accepted_by_the_full_group_only(monkeypatch):
     monkeypatch.setattr(HybridKVCacheManager, "_common_hit", full_only)
     with pytest.raises(AssertionError, match="differs between group 0 and group 1"):
         scenario()
+
+
+def test_machine_catches_a_chunked_layer_that_attends_like_a_sliding_window(monkeypatch):
+    """The kernel's chunk test disabled: a chunked layer sees its last ``C`` tokens, not its chunk."""
+
+    class NotChunked(int):
+        pass
+
+    monkeypatch.setattr("pagedkv.attention.ChunkedWindow", NotChunked)
+    with pytest.raises(AssertionError, match=r"\('s\d+', \d+, \d+\)"):  # an attend output differs
+        _run_machine()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.counts import ceil_div, check_count, check_max_size
+from pagedkv.counts import ChunkedWindow, ceil_div, check_count, check_max_size
 from pagedkv.errors import ConfigError, InputTypeError
 
 __all__ = ["GroupLayout", "KVCacheGroup"]
@@ -27,7 +27,8 @@ class KVCacheGroup:
     Attributes:
         layers: the model layers, in pool-slot order (``layers[i]`` lives in
             pool layer ``i`` of this group's blocks).
-        window: the sliding window ``W`` of every layer (None: full attention).
+        window: the sliding window ``W`` of every layer (None: full attention;
+            a :class:`~pagedkv.counts.ChunkedWindow`: chunked local attention).
         num_sink_tokens: leading tokens kept and attended by every token.
     """
 
@@ -37,8 +38,10 @@ class KVCacheGroup:
 
     @property
     def kind(self) -> str:
-        """``"full"`` or ``"sliding"``."""
-        return "full" if self.window is None else "sliding"
+        """``"full"``, ``"sliding"`` or ``"chunked"``."""
+        if self.window is None:
+            return "full"
+        return "chunked" if self.window.__class__ is ChunkedWindow else "sliding"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,8 @@ class GroupLayout:
     def from_layer_windows(
         cls, windows: Sequence[int | None], *, num_sink_tokens: int = 0, max_padding: float = 0.1
     ) -> GroupLayout:
-        """Group layers by window (None: full attention), each type split into groups of one size.
+        """Group layers by window (None: full attention; a ``ChunkedWindow``: chunked local), each
+        type split into groups of one size.
 
         The size is the largest whose padding (slots no layer fills) is at
         most ``max_padding`` of the layers, else the one with the least
@@ -94,15 +98,21 @@ class GroupLayout:
         if not checked:
             raise ConfigError("a layout needs at least one layer")
         sinks = check_count("num_sink_tokens", num_sink_tokens, minimum=0)
-        by_window: dict[int | None, list[int]] = {}
+        # A chunk of C and a window of C are equal ints but different attention: keyed apart.
+        by_kind: dict[tuple[bool, int | None], tuple[int | None, list[int]]] = {}
         for layer, window in enumerate(checked):
-            by_window.setdefault(window, []).append(layer)
-        # Full attention first (group 0 bounds every prefix hit), then sliding by layer order.
-        types = sorted(by_window.items(), key=lambda item: (item[0] is not None, item[1][0]))
+            key = (window.__class__ is ChunkedWindow, window)
+            by_kind.setdefault(key, (window, []))[1].append(layer)
+        # Full attention first (group 0 bounds every prefix hit), then the others by layer order.
+        types = sorted(by_kind.values(), key=lambda item: (item[0] is not None, item[1][0]))
         counts = [len(layers) for _, layers in types]
         size = _group_size(counts, len(checked), max_padding)
         groups = [
-            KVCacheGroup(tuple(layers[start : start + size]), window, 0 if window is None else sinks)
+            KVCacheGroup(
+                tuple(layers[start : start + size]),
+                window,
+                0 if window is None or window.__class__ is ChunkedWindow else sinks,
+            )
             for window, layers in types
             for start in range(0, len(layers), size)
         ]

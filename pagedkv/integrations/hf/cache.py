@@ -166,7 +166,8 @@ class PagedCache(_Cache):  # type: ignore[misc]
         # Layers of different windows: one KV-cache group each (docs/groups.md); the pool's
         # blocks hold one group's layers, so the same bytes make more blocks.
         windows = spec.pool_windows
-        layout = GroupLayout.from_layer_windows(windows) if len(set(windows)) > 1 else None
+        kinds = {(window.__class__, window) for window in windows}  # a chunk of C is not a window of C
+        layout = GroupLayout.from_layer_windows(windows) if len(kinds) > 1 else None
         num_pool_layers = len(windows) if layout is None else layout.layers_per_group
         pool = KVPool(
             num_blocks * len(windows) // num_pool_layers,

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.counts import ChunkedWindow
 from pagedkv.errors import ConfigError
 from pagedkv.inputs import FLOAT_DTYPES
 from pagedkv.integrations.hf.extra import require
@@ -160,17 +161,15 @@ def read_spec(model: Any) -> ModelSpec:
         )
     text = config.get_text_config(decoder=True)
     types, kwargs = _layer_types(text)
-    # NOTE: KV-CACHE GROUPS (issue 29) GO HERE. Today every storing layer becomes a pool
-    # layer of one block table, and ``windows`` only bounds what each layer returns; the
-    # manager frees by the largest window (None for any full layer), so Gemma 3's sliding
-    # layers keep every token. With groups: one group per distinct (type, window) of
-    # ``types``/``kwargs`` (transformers gives a chunked layer's ``attention_chunk_size`` as
-    # its "sliding_window" kwarg: keep the type to tell the two apart), mapped to pool layers.
+    # Layers of different windows become KV-cache groups (PagedCache.from_model): a chunked
+    # layer's window is a ChunkedWindow, so it groups apart from a sliding one of that size.
     storing, windows = [], []
     for layer, (kind, extra) in enumerate(zip(types, kwargs)):
         if kind in _STORING_TYPES:
             storing.append(layer)
-            windows.append(int(extra["sliding_window"]) if _STORING_TYPES[kind] else None)
+            window = int(extra["sliding_window"]) if _STORING_TYPES[kind] else None
+            # transformers hands a chunked layer's attention_chunk_size over as its "sliding_window".
+            windows.append(ChunkedWindow(window) if kind == "chunked_attention" else window)
         elif kind in _EMPTY_TYPES:
             windows.append(None)
         else:
