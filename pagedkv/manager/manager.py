@@ -724,20 +724,15 @@ class KVCacheManager:
     @locked
     def metrics(self) -> ManagerMetrics:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
-        cache = self._sharing.cache if self._sharing is not None else None
-        return collect_metrics(
-            self.pool,
-            self.host_pool,
-            [record.state for record in self._seqs.values()],
-            [record.table for record in self._seqs.values() if record.state is SequenceState.RUNNING],
+        sharing, tiering = self._sharing, self.tiering
+        counts = dict(
             self._counters,
-            num_cached_blocks=cache.num_cached_blocks if cache else 0,
-            num_prefix_evictions=cache.num_evictions if cache else 0,
-            num_tier_hits=self._sharing.num_tier_hits if self._sharing is not None else 0,
-            num_tier_errors=(
-                self.tiering.tiers.num_store_errors + self.tiering.tiers.num_refused if self.tiering else 0
-            ),
+            cached_blocks=sharing.cache.num_cached_blocks if sharing else 0,
+            prefix_evictions=sharing.cache.num_evictions if sharing else 0,
+            tier_hits=sharing.num_tier_hits if sharing else 0,
+            tier_errors=tiering.tiers.num_store_errors + tiering.tiers.num_refused if tiering else 0,
         )
+        return collect_metrics(self.pool, self.host_pool, list(self._seqs.values()), counts)
 
     @locked
     def check_invariants(self) -> None:

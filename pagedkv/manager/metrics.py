@@ -7,13 +7,12 @@ them is a known trap (vLLM #57336 saw 66.7% block usage at 36.5% occupancy).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.blocks.occupancy import count_live_slots
-from pagedkv.blocks.table import BlockTable
-from pagedkv.manager.sequence import SequenceState
+from pagedkv.manager.sequence import SequenceRecord, SequenceState
 from pagedkv.memory.vmem import map_budget
 
 if TYPE_CHECKING:
@@ -132,27 +131,27 @@ class ManagerMetrics:
 def collect_metrics(
     pool: KVPool,
     host_pool: KVPool | None,
-    states: Sequence[SequenceState],
-    running: Sequence[BlockTable],
-    counters: Mapping[str, int],
-    *,
-    num_cached_blocks: int,
-    num_prefix_evictions: int,
-    num_tier_hits: int = 0,
-    num_tier_errors: int = 0,
+    records: Iterable[SequenceRecord],
+    counts: Mapping[str, int],
 ) -> ManagerMetrics:
-    """The metrics of a manager, from its pools, its sequences' states and tables, and its counters.
+    """The metrics of a manager, from its pools, its sequences' records and its counts.
 
     Args:
         pool: the device pool.
         host_pool: the host pool, or None.
-        states: every sequence's state.
-        running: the block tables of the running sequences.
-        counters: the manager's event counters.
-        num_cached_blocks: blocks with a prefix key.
-        num_prefix_evictions: prefix keys dropped for reuse so far.
-        num_tier_hits, num_tier_errors: the tiers' counts (see :class:`ManagerMetrics`).
+        records: every sequence's record.
+        counts: the manager's event counters (:data:`COUNTERS`), plus
+            ``cached_blocks`` (blocks with a prefix key), ``prefix_evictions``
+            (prefix keys dropped for reuse so far) and, with tiers,
+            ``tier_hits`` and ``tier_errors`` (see :class:`ManagerMetrics`).
     """
+    states = [record.state for record in records]
+    running = [record.table for record in records if record.state is SequenceState.RUNNING]
+    counters = counts
+    num_cached_blocks = counts["cached_blocks"]
+    num_prefix_evictions = counts["prefix_evictions"]
+    num_tier_hits = counts.get("tier_hits", 0)
+    num_tier_errors = counts.get("tier_errors", 0)
     bs = pool.block_size
     num_live_slots, _ = count_live_slots(running, pool.allocator)
     used = pool.num_used_blocks
