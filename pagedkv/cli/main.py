@@ -145,6 +145,15 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
     memory.add_argument(
         "--swap-space", default="4GiB", help="host memory for swap preemption (default 4GiB)"
     )
+    memory.add_argument(
+        "--host-tier-blocks", type=non_negative_int, default=0,
+        help="a host tier of this many blocks below the device prefix cache: evicted blocks go there and "
+        "load back at --host-bandwidth instead of being recomputed (needs --prefix-caching; default 0: none)",
+    )
+    memory.add_argument(
+        "--host-tier-policy", choices=("lru", "s3fifo"), default="lru",
+        help="the host tier's eviction (default lru)",
+    )
     model = parser.add_argument_group(
         "modeled model (bytes per token = layers x kv heads x head_dim x 2 x bytes) and its step-time "
         "cost (docs/tutorial.md, pagedkv.simulate.cost)"
@@ -166,7 +175,9 @@ def _add_study_options(parser: argparse.ArgumentParser, defaults: dict[str, obje
         "--step-overhead", type=non_negative_float, default=None, help="fixed seconds per step"
     )
     model.add_argument(
-        "--host-bandwidth", type=positive_float, default=None, help="swap copies, bytes per second"
+        "--host-bandwidth", type=positive_float, default=None,
+        help="device <-> host copies (swap, host-tier loads), bytes per second "
+        "(default: the preset's PCIe figure)",
     )
     run = parser.add_argument_group("run")
     run.add_argument(
@@ -250,6 +261,11 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
         help="with --hybrid-model: one block table per KV-cache group (grouped), every layer keeps every "
         "token (uniform), or both side by side (default both)",
     )
+    out.add_argument(
+        "--host-tier-sweep", default=None, metavar="SIZES",
+        help="serve the workload with a host tier of each size in blocks (e.g. 0,1000,4000 or "
+        "'default'); print hit rates (device, host, total) and TTFT against size (docs/study.md)",
+    )
     out.add_argument("--json", action="store_true", help="print JSON (wall-clock fields under 'timing')")
     simulate.set_defaults(run=_simulate)
 
@@ -280,7 +296,8 @@ def _add_study_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
     pics.add_argument(
         "--png", default=None,
         help="write PNGs instead: pagemap, occupancy, sweep, latency (against request rate), schedulers, "
-        "routers, hybrid (comma-separated) or all; the last four use fixed settings; needs pagedkv[plot]",
+        "routers, hybrid, tiers (comma-separated) or all; the last five use fixed settings; "
+        "needs pagedkv[plot]",
     )
     pics.add_argument(
         "--out", type=output_folder, default=".", help="folder for PNGs (default: the current one)"

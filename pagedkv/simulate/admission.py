@@ -34,6 +34,7 @@ from pagedkv.counts import ceil_div
 from pagedkv.simulate.config import SimConfig
 from pagedkv.simulate.requests import LiveRequest, RequestState, Schedule
 from pagedkv.simulate.workload import Workload
+from pagedkv.tiers import MEDIUM_CPU
 
 __all__ = ["Admitter"]
 
@@ -57,6 +58,10 @@ class Admitter:
         self._num_watermark_blocks = config.num_watermark_blocks
         #: Prefill tokens this step may still compute (None: no budget).
         self.budget_left: int | None = None
+        #: The host tier below the device cache, or None (``SimConfig.num_host_tier_blocks``).
+        self.tiers = None if self.manager.tiering is None else self.manager.tiering.tiers
+        #: ``request_id -> tokens`` loaded from the host tier by admissions that did not go through yet.
+        self._tier_tokens: dict[int, int] = {}
 
     def begin_step(self, num_decode_tokens: int) -> None:
         """Start a step's admission: the token budget left after ``num_decode_tokens`` decode tokens."""
@@ -164,7 +169,13 @@ class Admitter:
         seq_id = book.new_seq_id(request.request_id)
         if book.with_tokens:
             prompt = self.workload.prompt_tokens(request)
+            num_loaded = self._num_tier_blocks()
             num_cached = manager.add_sequence(seq_id, prompt)
+            num_loaded = self._num_tier_blocks() - num_loaded
+            if num_loaded:
+                tokens = self._tier_tokens
+                num_tokens = num_loaded * config.block_size
+                tokens[request.request_id] = tokens.get(request.request_id, 0) + num_tokens
             end = prompt_len
         else:
             # A cheap necessary condition first: without prefix caching the
@@ -198,15 +209,22 @@ class Admitter:
         self._count_lost(live, num_cached, num_fed)
         self._spend(num_fed)
         result = book.result
+        num_tier_tokens = self._tier_tokens.pop(request.request_id, 0)
         if live.first_step < 0 and not live.num_lost_prefill:
             result.num_prefix_query_tokens += prompt_len
             result.num_prefix_hit_tokens += num_cached
+            # A failed attempt's loads stay cached on device; one reloaded after eviction counts once.
+            result.num_tier_hit_tokens += min(num_tier_tokens, num_cached)
         live.seq_ids = [seq_id]
         if end < prompt_len:
             self.schedule.begin_prefill(end)
             return
         self._fork_samples(live)
         self.schedule.start(step, 0)
+
+    def _num_tier_blocks(self) -> int:
+        """Blocks the host tier has handed back so far (0 without one)."""
+        return 0 if self.tiers is None else self.tiers.num_hits.get(MEDIUM_CPU, 0)
 
     def _readmit(self, live: LiveRequest, step: int, *, force: bool) -> None:
         """Bring a preempted request back: swap it in, or resume its sequences and re-feed their tokens.

@@ -52,6 +52,8 @@ class Clock:
         self.records: list[tuple[float, float, float, int]] = []
         #: Seconds spent copying KV to and from the host (part of the step times).
         self.transfer_s = 0.0
+        #: Seconds spent loading blocks from the host tier (part of the step times).
+        self.tier_load_s = 0.0
         #: Seconds of steps that computed something (the rest is overhead of idle steps).
         self.busy_s = 0.0
         #: Of ``busy_s``, seconds memory-bound steps spent reading KV (``CostModel.attention_read_time``).
@@ -63,11 +65,23 @@ class Clock:
             self.now = time_s
 
     def end_step(
-        self, num_tokens: int, kv_tokens_read: int, num_attention_pairs: int = 0, swapped_tokens: int = 0
+        self,
+        num_tokens: int,
+        kv_tokens_read: int,
+        num_attention_pairs: int = 0,
+        swapped_tokens: int = 0,
+        loaded_tokens: int = 0,
     ) -> float:
-        """End a step that did this work; return the time it ended."""
-        duration = self.cost.step_time(num_tokens, kv_tokens_read, num_attention_pairs, swapped_tokens)
-        if num_tokens or swapped_tokens:
+        """End a step that did this work; return the time it ended.
+
+        ``loaded_tokens`` came from the host tier: copied over the same link
+        as swap (``cost.host_bandwidth``), counted apart in ``tier_load_s``.
+        """
+        moved = swapped_tokens + loaded_tokens
+        duration = self.cost.step_time(num_tokens, kv_tokens_read, num_attention_pairs, moved)
+        if loaded_tokens:
+            self.tier_load_s += self.cost.transfer_time(loaded_tokens)
+        if num_tokens or moved:
             self.busy_s += duration
             self.attention_s += self.cost.attention_read_time(num_tokens, kv_tokens_read, num_attention_pairs)
         if swapped_tokens:

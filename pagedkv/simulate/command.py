@@ -45,6 +45,7 @@ from pagedkv.simulate.plots import (
 from pagedkv.simulate.plots_hybrid import hybrid_figure
 from pagedkv.simulate.plots_serving import serving_figures
 from pagedkv.simulate.plots_sweep import plot_sweep
+from pagedkv.simulate.plots_tiers import tiers_figure
 from pagedkv.simulate.progress import Progress, wants_progress
 from pagedkv.simulate.ratesweep import format_rate_sweep, rate_sweep, sustained_rates
 from pagedkv.simulate.report import (
@@ -60,6 +61,7 @@ from pagedkv.simulate.report import (
 )
 from pagedkv.simulate.sweep_kernel import format_kernel_side, sweep_as_dicts
 from pagedkv.simulate.synthetic import DATASETS, synthetic
+from pagedkv.simulate.tierstudy import DEFAULT_HOST_TIER_SIZES, format_tier_study, tier_study
 from pagedkv.simulate.workload import Workload, WorkloadError
 
 __all__ = [
@@ -75,7 +77,7 @@ __all__ = [
 #: The block sizes ``--sweep`` (and ``viz --png sweep``) tries by default.
 SWEEP_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: What ``viz --png`` can draw.
-PICTURES = ("pagemap", "occupancy", "sweep", "latency", "schedulers", "routers", "hybrid")
+PICTURES = ("pagemap", "occupancy", "sweep", "latency", "schedulers", "routers", "hybrid", "tiers")
 #: The pictures of the serving study (fixed settings: pagedkv.simulate.plots_serving).
 SERVING_PICTURES = ("latency", "schedulers", "routers")
 
@@ -134,6 +136,8 @@ def _simulate(args: argparse.Namespace) -> int:
         return _hybrid(args)
     if args.kv_allocation != "both":
         raise ConfigError("--kv-allocation is for --hybrid-model; add --hybrid-model, or leave it out")
+    if args.host_tier_sweep is not None:
+        return _tier_sweep(args)
     if args.rates is not None:
         return _rate_sweep(args, policies)
     if args.replicas > 1:
@@ -256,6 +260,26 @@ def _hybrid(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tier_sweep(args: argparse.Namespace) -> int:
+    for flag, clash in (("--sweep", args.sweep), ("--replicas", args.replicas > 1), ("--rates", args.rates)):
+        if clash:
+            raise ConfigError(f"--host-tier-sweep and {flag} are two studies; give one")
+    if args.host_tier_blocks:
+        raise ConfigError("--host-tier-sweep sets the host tier's size itself; leave out --host-tier-blocks")
+    if not args.prefix_caching:
+        raise ConfigError("--host-tier-sweep keeps prefix-cached blocks: add --prefix-caching")
+    text = args.host_tier_sweep.strip().lower()
+    sizes = list(DEFAULT_HOST_TIER_SIZES)
+    if text != "default":
+        sizes = parse_list(text, name="--host-tier-sweep", minimum=0)
+    workload = build_workload(args)
+    config, _ = build_config(args)
+    bar = Progress("host-tier study", len(sizes), unit="runs") if _wants_progress(args) else None
+    study = tier_study(workload, config, sizes, progress=bar)
+    print(json.dumps(study.as_dict(), indent=2) if args.json else format_tier_study(study))
+    return 0
+
+
 def _wants_progress(args: argparse.Namespace) -> bool:
     return not args.quiet and wants_progress(args.progress)
 
@@ -373,6 +397,9 @@ def _plot(
             continue
         if kind == "hybrid":
             print(f"wrote {os.fspath(hybrid_figure(out))}")
+            continue
+        if kind == "tiers":
+            print(f"wrote {os.fspath(tiers_figure(out))}")
             continue
         if kind == "pagemap":
             page_maps, _ = capture_page_maps(workload, config)

@@ -23,6 +23,7 @@ from typing import Any
 from pagedkv.errors import ConfigError
 from pagedkv.simulate.cost import CostModel
 from pagedkv.simulate.shape import ModelShape
+from pagedkv.tiers.host import HOST_POLICIES
 
 #: vLLM's default swap space: 4 GiB of host memory per device.
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30
@@ -131,6 +132,12 @@ class SimConfig:
         growth_reserve_steps: admission also keeps free the blocks every
             running sequence needs for its next this many tokens (a thrash
             bound; 0 for none).
+        num_host_tier_blocks: a host tier below the device prefix cache
+            (the real :class:`pagedkv.tiers.HostTier`): blocks the device
+            evicts go there, and an admission loads the run it holds past
+            the device hit at ``cost.host_bandwidth`` instead of computing
+            it; 0 for none. Needs prefix caching and no window.
+        host_tier_policy: the host tier's eviction, ``"lru"`` or ``"s3fifo"``.
     """
 
     budget: Budget
@@ -150,6 +157,8 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     chunked_prefill: bool = False
     growth_reserve_steps: int = 0
+    num_host_tier_blocks: int = 0
+    host_tier_policy: str = "lru"
     #: What the caller chose on top of the scheduler preset (``with_scheduler``
     #: keeps it, so applying another preset later keeps the caller's knobs),
     #: and the host memory for swap; None until a preset was applied.
@@ -161,14 +170,23 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-        for name, minimum in (("num_host_blocks", 0), ("growth_reserve_steps", 0)):
+        for name in ("num_host_blocks", "growth_reserve_steps", "num_host_tier_blocks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if self.preempt_mode not in ("recompute", "swap"):
             raise ConfigError(f"preempt_mode must be 'recompute' or 'swap', got {self.preempt_mode!r}")
         if self.preempt_mode == "swap" and not self.num_host_blocks:
             raise ConfigError("preempt_mode 'swap' needs num_host_blocks >= 1 (a host pool to swap into)")
+        if self.host_tier_policy not in HOST_POLICIES:
+            raise ConfigError(
+                f"host_tier_policy must be one of {HOST_POLICIES}, got {self.host_tier_policy!r}"
+            )
+        if self.num_host_tier_blocks and (not self.enable_prefix_caching or self.max_size is not None):
+            raise ConfigError(
+                f"a host tier of {self.num_host_tier_blocks} blocks keeps prefix-cached blocks under full "
+                "attention: turn prefix caching on and leave out the window"
+            )
         if self.chunked_prefill and self.max_num_batched_tokens is None:
             raise ConfigError("chunked_prefill needs a token budget: set max_num_batched_tokens")
         for name in ("max_size", "max_num_seqs", "max_num_batched_tokens"):

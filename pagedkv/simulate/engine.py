@@ -26,6 +26,7 @@ from pagedkv.simulate.requests import Schedule
 from pagedkv.simulate.result import Accumulator, PolicyResult
 from pagedkv.simulate.sequences import SequenceBook
 from pagedkv.simulate.workload import Arrivals, Request, Workload, WorkloadError
+from pagedkv.tiers import MEDIUM_CPU, BlockLayout, HostTier, TieredStore
 
 __all__ = ["PagedEngine"]
 
@@ -75,12 +76,24 @@ class PagedEngine:
         host_pool = None
         if config.num_host_blocks:
             host_pool = KVPool(config.num_host_blocks, block_size=bs, head_dim=1, dtype=np.float32)
+        self.tiers: TieredStore | None = None
+        if config.num_host_tier_blocks:
+            # NOTE: the real tier over the tiny pool: its blocks are bytes of
+            # the bookkeeping pool, and what a load costs is the modeled model's.
+            layout = BlockLayout.of_pool(self.pool, "simulated")
+            host = HostTier(
+                block_nbytes=layout.block_nbytes,
+                num_blocks=config.num_host_tier_blocks,
+                policy=config.host_tier_policy,
+            )
+            self.tiers = TieredStore(layout, host=host)
         self.manager = KVCacheManager(
             self.pool,
             max_size=config.max_size,
             enable_prefix_caching=config.enable_prefix_caching,
             host_pool=host_pool,
             kv_events=kv_events,
+            tiers=self.tiers,
         )
         self.result = PolicyResult("paged", scheduler=config.scheduler)
         self.sequences = SequenceBook(self.manager, self.result, with_tokens=config.enable_prefix_caching)
@@ -92,6 +105,7 @@ class PagedEngine:
         self._start = (0.0, 0.0)
         self._stats = Accumulator(self.result, num_blocks * bs)
         self._sample_every = config.sample_every
+        self._num_tier_loaded = 0
 
     @property
     def seq_owner(self) -> dict[Hashable, int]:
@@ -189,11 +203,13 @@ class PagedEngine:
             admitter.admit_waiting(step)
         swapped_blocks = book.num_step_swapped_blocks
         result.swap_bytes += swapped_blocks * config.block_size * config.cost.shape.bytes_per_token
+        loaded_blocks = self._step_tier_loads()
         self.clock.end_step(
             num_decode + book.num_step_prefill_tokens,
             decode_context + book.num_step_prefill_context,
             decode_context + book.num_step_prefill_pairs,
             swapped_blocks * config.block_size,
+            loaded_blocks * config.block_size,
         )
         stats.on_step(schedule.num_running_seqs, len(running))
         if step % self._sample_every == 0:
@@ -210,6 +226,8 @@ class PagedEngine:
         if self.config.check_every_step:
             manager.check_invariants()
             self.clock.check_invariants()
+            if self.tiers is not None:
+                self.tiers.check_invariants()
             if pool.num_used_blocks or manager.seq_ids:
                 raise AssertionError(
                     f"after the run {pool.num_used_blocks} blocks are used and "
@@ -217,6 +235,16 @@ class PagedEngine:
                 )
         wall, cpu = self._start
         return self._stats.finish(time.perf_counter() - wall, time.process_time() - cpu, self.clock)
+
+    def _step_tier_loads(self) -> int:
+        """Blocks the host tier handed back this step (admissions and resumes load them)."""
+        if self.tiers is None:
+            return 0
+        total = self.tiers.num_hits.get(MEDIUM_CPU, 0)
+        loaded = total - self._num_tier_loaded
+        self._num_tier_loaded = total
+        self.result.num_tier_loaded_blocks += loaded
+        return loaded
 
     # ---------------------------------------------------------------- phases
 

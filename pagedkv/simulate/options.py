@@ -146,9 +146,17 @@ def build_config(args: argparse.Namespace) -> tuple[SimConfig, ModelShape]:
         budget = Budget.from_blocks(blocks, args.block_size)
     else:
         budget = Budget.from_bytes(parse_bytes(args.memory), model)
+    num_host_tier_blocks = getattr(args, "host_tier_blocks", 0)
+    if num_host_tier_blocks and (not args.prefix_caching or args.window is not None):
+        raise ConfigError(
+            f"--host-tier-blocks {num_host_tier_blocks} keeps prefix-cached blocks under full attention: "
+            "add --prefix-caching and leave out --window"
+        )
     config = SimConfig(
         budget,
         block_size=args.block_size,
+        num_host_tier_blocks=num_host_tier_blocks,
+        host_tier_policy=getattr(args, "host_tier_policy", "lru"),
         max_size=args.window,
         enable_prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,

@@ -80,6 +80,10 @@ class PolicyResult:
         num_prefix_hit_tokens: of those, tokens found cached.
         prefix_hit_rate: hits / queries (0 if none).
         num_resumed_reuse_tokens: tokens a preempted request found cached on resume.
+        num_tier_hit_tokens: of the hit tokens, those loaded from the host
+            tier (``SimConfig.num_host_tier_blocks``) rather than found on device.
+        num_tier_loaded_blocks: blocks loaded from the host tier (first
+            admissions and re-admissions).
         blocks_saved_mean, blocks_saved_peak: blocks the running sequences'
             tables hold beyond the distinct blocks used (forks, prefix hits).
         sharing_saving_mean: mean of saved / (used + saved): the memory saved
@@ -92,6 +96,7 @@ class PolicyResult:
         model_s: model seconds until the last step ended (the cost model's time).
         busy_s: of it, seconds of steps that computed something.
         swap_s: of it, seconds spent copying KV to and from the host.
+        tier_load_s: of it, seconds spent loading blocks from the host tier.
         attention_s: of ``busy_s``, seconds memory-bound steps spent reading
             KV (what a slower attention kernel could stretch).
         latency: what requests saw, in model seconds (:mod:`pagedkv.simulate.latency`).
@@ -128,6 +133,8 @@ class PolicyResult:
     num_prefix_hit_tokens: int = 0
     prefix_hit_rate: float = 0.0
     num_resumed_reuse_tokens: int = 0
+    num_tier_hit_tokens: int = 0
+    num_tier_loaded_blocks: int = 0
     blocks_saved_mean: float = 0.0
     blocks_saved_peak: int = 0
     sharing_saving_mean: float = 0.0
@@ -139,11 +146,24 @@ class PolicyResult:
     model_s: float = 0.0
     busy_s: float = 0.0
     swap_s: float = 0.0
+    tier_load_s: float = 0.0
     attention_s: float = 0.0
     latency: Latency = field(default_factory=Latency)
     wall_s: float = field(default=0.0, compare=False)
     cpu_s: float = field(default=0.0, compare=False)
     series: Series = field(default_factory=Series, compare=False, repr=False)
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found cached on device / prompt tokens looked up (0 if none)."""
+        num_query = self.num_prefix_query_tokens
+        return (self.num_prefix_hit_tokens - self.num_tier_hit_tokens) / num_query if num_query else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """Prompt tokens loaded from the host tier / prompt tokens looked up (0 if none)."""
+        num_query = self.num_prefix_query_tokens
+        return self.num_tier_hit_tokens / num_query if num_query else 0.0
 
     @property
     def num_simulated_tokens(self) -> int:
@@ -256,6 +276,7 @@ class Accumulator:
             result.model_s = clock.now
             result.busy_s = clock.busy_s
             result.swap_s = clock.transfer_s
+            result.tier_load_s = clock.tier_load_s
             result.attention_s = clock.attention_s
             result.latency = summarize(clock.records, num_generated_tokens=result.num_generated_tokens)
         steps, samples = max(1, self._num_steps), max(1, self._num_samples)
