@@ -30,7 +30,7 @@ from pagedkv.manager.manager import KVCacheManager
 from pagedkv.manager.metrics import ManagerMetrics
 from pagedkv.manager.prefix_sharing import AdmissionPlan
 from pagedkv.manager.reserve import Batch, Requests, ReservationPlan
-from pagedkv.manager.sequence import SequenceState, check_settled
+from pagedkv.manager.sequence import ManagerState, SequenceState, check_settled
 from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.events import KVEvent
 from pagedkv.prefix.keys import ExtraKeys
@@ -582,6 +582,17 @@ class HybridKVCacheManager:
             if found == cap:
                 return found or 0
             cap = found
+
+    def _export_state(self) -> list[ManagerState]:
+        """Each group's ``KVCacheManager._export_state()``, in group order: the snapshot hook (copies)."""
+        with self._lock:
+            return [manager._export_state() for manager in self.groups]
+
+    def _restore_state(self, states: Sequence[ManagerState]) -> None:
+        """Take each group's state (``_export_state``'s, validated by the caller) into this new manager."""
+        with self._lock:
+            for manager, state in zip(self.groups, states, strict=True):
+                manager._restore_state(state)
 
 
 def _stable(requests: Requests) -> Requests:

@@ -1,4 +1,4 @@
-"""Snapshots: a ``KVCache`` or a whole ``KVCacheManager`` in one safetensors file, and back.
+"""Snapshots: a ``KVCache``, a whole ``KVCacheManager`` or ``HybridKVCacheManager`` in one file, and back.
 
 ``save(obj, path)`` writes everything that decides later outputs and block tables,
 checksummed and atomically; ``load(path)`` validates the whole file before it allocates

@@ -1,4 +1,4 @@
-"""Capture: the JSON state and page tensors of a live ``KVCache`` or ``KVCacheManager``, and ``save``.
+"""Capture: the JSON state and page tensors of a live cache, manager or hybrid manager, and ``save``.
 
 Each object hands over its own state through its ``_export_state`` hook
 (the cache, the manager, the allocators); everything else is read through
@@ -16,8 +16,9 @@ import numpy.typing as npt
 from pagedkv.blocks.allocator import AllocatorState
 from pagedkv.cache import KVCache
 from pagedkv.errors import ClosedCacheError, InputTypeError
+from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.manager.manager import COUNTERS, KVCacheManager
-from pagedkv.manager.sequence import RecordState, SequenceState, pending_layers
+from pagedkv.manager.sequence import ManagerState, RecordState, SequenceState, pending_layers
 from pagedkv.memory.pool import KVPool
 from pagedkv.snapshot.format import (
     Tensors,
@@ -36,21 +37,22 @@ from pagedkv.snapshot.schema import (
     table_json,
 )
 
-__all__ = ["capture_cache", "capture_manager", "save"]
+__all__ = ["capture_cache", "capture_hybrid", "capture_manager", "save"]
 
 
-def save(obj: KVCache | KVCacheManager, path: str | os.PathLike[str]) -> None:
+def save(obj: KVCache | KVCacheManager | HybridKVCacheManager, path: str | os.PathLike[str]) -> None:
     """Write ``obj`` to ``path`` as one snapshot file, atomically.
 
     Args:
-        obj: a ``KVCache`` or a ``KVCacheManager``; it is only read.
+        obj: a ``KVCache``, a ``KVCacheManager`` or a ``HybridKVCacheManager``
+            (KV-cache groups); it is only read.
         path: the file; an existing file there is replaced only once the
             new one is complete on disk. Temporary files that killed saves
             of the same ``path`` left in its folder are removed (see
             ``docs/snapshots.md``).
 
     Raises:
-        InputTypeError: ``obj`` is neither, or ``path`` is not a str or
+        InputTypeError: ``obj`` is none of these, or ``path`` is not a str or
             ``os.PathLike``.
         ClosedCacheError: the cache is closed.
         SnapshotError: the manager cannot be saved as it is: a sequence has
@@ -79,10 +81,13 @@ def save(obj: KVCache | KVCacheManager, path: str | os.PathLike[str]) -> None:
     safetensors_numpy()  # fail on a missing extra before any work
     if isinstance(obj, KVCacheManager):
         state, tensors = capture_manager(obj)
+    elif isinstance(obj, HybridKVCacheManager):
+        state, tensors = capture_hybrid(obj)
     elif isinstance(obj, KVCache):
         state, tensors = capture_cache(obj)
     else:
-        raise InputTypeError(f"save takes a KVCache or a KVCacheManager, got {type(obj).__name__}")
+        raise InputTypeError(f"save takes a KVCache or a KVCacheManager (or a HybridKVCacheManager), got "
+                             f"{type(obj).__name__}")
     write_state(path, state, tensors)
 
 
@@ -122,9 +127,86 @@ def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
         SnapshotError: a sequence has unwritten reserved tokens, an id is
             not a str or int, or a pool holds blocks of another owner.
     """
-    own = manager._export_state()
-    pools_of = {"device": manager.pool, "host": manager.host_pool}
-    held = {role: [0] * pool.num_blocks for role, pool in pools_of.items() if pool is not None}
+    held = _held(manager.pool, manager.host_pool)
+    group = _group_json(manager, manager._export_state(), held)
+    pools, tensors = _pools_json(manager.pool, manager.host_pool, held, manager.prefix_caching)
+    state = {
+        "kind": "KVCacheManager",
+        "manager": {
+            "layer_max_sizes": [_window_json(window) for window in manager.layer_max_sizes],
+            "num_sink_tokens": manager.num_sink_tokens,
+            **_settings_json(manager), **group,
+        },
+        "pools": pools,
+    }
+    return state, tensors
+
+
+def capture_hybrid(manager: HybridKVCacheManager) -> tuple[State, Tensors]:
+    """The state and page tensors of a ``HybridKVCacheManager``: its layout, each group's state, the pools.
+
+    The shared pool is saved once; each group saves what a plain manager
+    saves of its own (records, prefix keys, counters), under ``groups``.
+
+    Raises:
+        SnapshotError: as ``capture_manager``, for any group.
+    """
+    held = _held(manager.pool, manager.host_pool)
+    groups = [_group_json(group, own, held) for group, own in zip(manager.groups, manager._export_state())]
+    pools, tensors = _pools_json(manager.pool, manager.host_pool, held, manager.prefix_caching)
+    layout = manager.layout
+    state = {
+        "kind": "HybridKVCacheManager",
+        "hybrid": {
+            "layout": {
+                "layers_per_group": layout.layers_per_group,
+                "groups": [{"layers": list(group.layers), "window": _window_json(group.window),
+                            "num_sink_tokens": group.num_sink_tokens} for group in layout.groups],
+            },
+            **_settings_json(manager.groups[0]),
+            "groups": groups,
+        },
+        "pools": pools,
+    }
+    return state, tensors
+
+
+def _window_json(window: int | None) -> int | None:
+    """A sliding window (None: full attention) as JSON.
+
+    Raises:
+        SnapshotError: the window is a subclass of int (chunked local
+            attention's ``ChunkedWindow``): saved as its int it would load as
+            a sliding window and change every later output, so it is refused.
+    """
+    if window is not None and window.__class__ is not int:
+        fail(f"a layer's window is {window!r}, a {type(window).__name__}; snapshots save full attention "
+             "and sliding windows only (chunked local attention cannot be saved yet)")
+    return window
+
+
+def _settings_json(manager: KVCacheManager) -> State:
+    """What a manager (or every group of a hybrid one) is configured with, besides windows and sinks."""
+    return {
+        "num_q_heads": manager.num_q_heads, "scale": manager.scale,
+        "enable_prefix_caching": manager.prefix_caching, "hash_algorithm": manager.hash_algorithm,
+        # NOTE: only when set, so a default manager's file is byte for byte what it always was.
+        **({"trusted_inputs": True} if manager.trusted_inputs else {}),
+    }
+
+
+def _held(device: KVPool, host: KVPool | None) -> dict[str, list[int]]:
+    """A zero count of the block tables holding each block, per pool role."""
+    pools_of = {"device": device, "host": host}
+    return {role: [0] * pool.num_blocks for role, pool in pools_of.items() if pool is not None}
+
+
+def _group_json(manager: KVCacheManager, own: ManagerState, held: dict[str, list[int]]) -> State:
+    """One manager's own state (records, keys, counters) as JSON; counts its tables' blocks in ``held``.
+
+    Raises:
+        SnapshotError: a sequence has unwritten reserved tokens, or an id is not a str or int.
+    """
     sequences = []
     for record in own.records:
         pending = pending_layers(record.num_written, record.table.num_tokens)
@@ -134,6 +216,25 @@ def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
         for block_id in (*record.table.sink_ids, *record.table.window_ids):
             held[role_of(record.state)][block_id] += 1
         sequences.append(_record_json(record))
+    return {
+        "max_abs_key": list(own.max_abs_key),
+        "counters": {name: own.counters[name] for name in COUNTERS},
+        "prefix": {
+            "keys": [[block_id, key.hex()] for block_id, key in own.prefix_keys],
+            "num_evictions": own.num_prefix_evictions,
+        } if manager.prefix_caching else None,
+        "sequences": sequences,
+    }
+
+
+def _pools_json(device: KVPool, host: KVPool | None, held: dict[str, list[int]],
+                prefix_caching: bool) -> tuple[State, Tensors]:
+    """Each pool's configuration, allocator state and saved pages; they must hold only ``held``.
+
+    Raises:
+        SnapshotError: a pool also holds blocks of another owner.
+    """
+    pools_of = {"device": device, "host": host}
     pools: State = {}
     tensors: Tensors = {}
     for role, counts in held.items():
@@ -143,31 +244,13 @@ def capture_manager(manager: KVCacheManager) -> tuple[State, Tensors]:
         if allocator.ref_counts != counts:
             fail(f"the {role} pool also holds blocks of another cache or manager; only a manager "
                  "that owns its pools alone can be saved")
-        if allocator.cached and (role == "host" or not manager.prefix_caching):
+        if allocator.cached and (role == "host" or not prefix_caching):
             fail(f"the {role} pool holds prefix-cached blocks of another manager")
         saved = _saved_ids(allocator)
         pools[role] = {"config": _pool_config(pool), "allocator": allocator_json(allocator),
                        "saved_ids": saved}
         tensors.update(_pages(pool, role, saved))
-    state = {
-        "kind": "KVCacheManager",
-        "manager": {
-            "layer_max_sizes": list(manager.layer_max_sizes), "num_sink_tokens": manager.num_sink_tokens,
-            "num_q_heads": manager.num_q_heads, "scale": manager.scale,
-            "enable_prefix_caching": manager.prefix_caching, "hash_algorithm": manager.hash_algorithm,
-            "max_abs_key": list(own.max_abs_key),
-            "counters": {name: own.counters[name] for name in COUNTERS},
-            "prefix": {
-                "keys": [[block_id, key.hex()] for block_id, key in own.prefix_keys],
-                "num_evictions": own.num_prefix_evictions,
-            } if manager.prefix_caching else None,
-            "sequences": sequences,
-            # NOTE: only when set, so a default manager's file is byte for byte what it always was.
-            **({"trusted_inputs": True} if manager.trusted_inputs else {}),
-        },
-        "pools": pools,
-    }
-    return state, tensors
+    return pools, tensors
 
 
 def _record_json(record: RecordState) -> State:

@@ -238,19 +238,29 @@ class PoolPlan:
                 store[:, ids] = self.tensors[tensor_name(self.role, part, layer)].view(store.dtype)
 
 
-def check_keys(saved: SavedAllocator, keys: list[tuple[int, bytes]] | None, what: str) -> None:
-    """The prefix ``keys`` (None: the pool runs no prefix cache) sit exactly on the cached blocks.
+def check_keys(saved: SavedAllocator, key_groups: list[list[tuple[int, bytes]]] | None, what: str) -> None:
+    """The prefix keys (None: the pool runs no prefix cache) sit exactly on the cached blocks.
 
-    The prefix cache's own invariants, on the saved state: one key a block,
-    one block a key, and a block keyed iff it is marked cached.
+    ``key_groups`` holds each prefix cache's ``(block_id, key)`` pairs: one
+    list for a manager, one a KV-cache group for a hybrid manager. The prefix
+    caches' own invariants, on the saved state: within a cache one key a block
+    and one block a key; a block keyed by one cache at most (groups may key
+    the same prefix, each on its own blocks); a block keyed iff it is marked
+    cached.
     """
-    if keys is None:
+    if key_groups is None:
         if saved.cached:
             fail(f"the snapshot's {what} pool runs no prefix cache, but blocks are marked cached")
         return
-    keyed = {block_id for block_id, _ in keys}
-    if len(keyed) != len(keys) or len({key for _, key in keys}) != len(keys):
-        fail("the snapshot's prefix cache is inconsistent: a block or a key appears twice")
+    keyed: set[int] = set()
+    for keys in key_groups:
+        mine = {block_id for block_id, _ in keys}
+        if len(mine) != len(keys) or len({key for _, key in keys}) != len(keys):
+            fail("the snapshot's prefix cache is inconsistent: a block or a key appears twice")
+        if keyed & mine:
+            fail(f"the snapshot's prefix caches are inconsistent: block {min(keyed & mine)} is keyed by two "
+                 "groups")
+        keyed |= mine
     if keyed != set(saved.cached):
         bad = min(keyed ^ set(saved.cached))
         fail(f"the snapshot's prefix cache is inconsistent: block {bad} is "

@@ -1,7 +1,8 @@
 """The JSON form of a snapshot's state: a typed reader, the encoders, and the checks loads share.
 
 The state is one JSON object (block ids plain ints, bytes as hex): its ``kind``
-(``"KVCacheManager"`` or ``"KVCache"``), the manager's or the cache's own state, and its
+(``"KVCacheManager"``, ``"HybridKVCacheManager"`` or ``"KVCache"``), the object's own state
+(a hybrid manager's: its layout and one manager state per group), and its
 ``pools`` (each one's configuration, saved block ids and allocator state); the full layout is
 drawn in "The state" in docs/snapshots.md. Every check here raises
 :class:`~pagedkv.errors.SnapshotError` naming the field's path
