@@ -72,6 +72,13 @@ def build_model(kind: str, dtype: Any = torch.float32) -> Any:
             **{**common, "num_hidden_layers": 6}, use_sliding_window=True, sliding_window=8, layer_types=types
         )
         model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "chunked":  # Llama 4: three chunked layers (chunks of 8) to one full layer
+        config = transformers.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
+            attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            no_rope_layers=None,
+        )
+        model = transformers.Llama4ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     return model.eval().to(dtype)
@@ -172,6 +179,27 @@ def test_a_hybrid_model_gets_kv_cache_groups_and_holds_about_what_dynamic_cache_
     assert cache.num_held_bytes <= 1.05 * dynamic_bytes
 
 
+@pytest.mark.parametrize("mode", ["storage", "attention"])
+def test_llama4_chunked_layers_get_a_chunked_group_and_match_dynamic_cache(mode: str) -> None:
+    """Llama 4's chunked layers (chunks of 8) see their own chunk only: tokens identical to DynamicCache's."""
+    model = build_model("chunked")
+    for length in (5, 17, 33):  # within the first chunk, across two, across four
+        ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        model.set_attn_implementation("sdpa")
+        expected = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+        set_mode(model, mode)
+        cache = PagedCache.from_model(model, num_blocks=128, block_size=4)
+        got = generate(model, ids, mask, cache)
+        cache.check_invariants()
+        kinds = [group.kind for group in cache.manager.layout.groups]
+        assert kinds == ["full", "chunked", "chunked", "chunked"]
+        assert len(set(expected.sequences[0, length:].tolist())) >= 8, "greedy output collapsed"
+        assert torch.equal(got.sequences, expected.sequences)
+        diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, expected.logits))
+        assert diff <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_half_model_in_storage_mode_matches_dynamic_cache_bit_for_bit(kind: str, dtype: Any) -> None:
@@ -202,7 +230,7 @@ def test_half_model_pages_are_stored_in_its_dtype(dtype: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["storage", "attention"])
-@pytest.mark.parametrize("kind", ["llama", "mistral", "hybrid"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "hybrid", "chunked"])
 def test_chunked_prefill_matches_dynamic_cache(kind: str, mode: str) -> None:
     model = build_model(kind)
     generator = torch.Generator().manual_seed(2)

@@ -1,27 +1,10 @@
 """Admission: which waiting request runs next, and how it gets its tokens into the pool.
 
-Step 4 of :mod:`pagedkv.simulate.engine`'s loop. Waiting requests are
-admitted in order while ``plan`` (``can_reserve``'s details) says the prompt
-fits with ``watermark`` of the blocks still free, after the prefix-cache
-lookup of ``add_sequence`` (vLLM v0's watermark, so running sequences have
-room to grow before anyone is preempted), plus, with
-``growth_reserve_steps``, the blocks the running sequences need for their
-next tokens. With a token budget (``max_num_batched_tokens``) a step
-prefills at most the budget its decode tokens left; with chunked prefill a
-longer prompt is fed over several steps (the request is PREFILLING until
-its last chunk, and is the first to be preempted). A request with ``n`` samples forks
-after its prefill. A preempted request comes back with ``resume`` and
-re-feeds the tokens it had written (recompute mode), or has its blocks
-copied back from the host (swap mode). The head of the queue
-that does not fit stops admission; when nothing runs it is admitted anyway
-(``force``), and aborted if it does not fit even then.
-
->>> from pagedkv.simulate import Budget, PagedEngine, Request, SimConfig, Workload
->>> engine = PagedEngine(Workload((Request(0, 6, 2, n=2),)), SimConfig(Budget(16), block_size=4))
->>> engine.schedule.arrive(engine.workload.requests[0])
->>> engine.admitter.admit_waiting(step=0)
->>> [engine.manager.num_tokens(s) for s in engine.schedule.running[0].seq_ids]
-[6, 6]
+Owns :class:`Admitter`, step 4 of :mod:`pagedkv.simulate.engine`'s loop: FCFS admission
+under the watermark and token budget, chunked prefill, forks after prefill, and the
+return of a preempted request (recompute or swap in). Counterpart: the waiting-queue
+half of vLLM v1's ``Scheduler.schedule`` (and v0's watermark in ``BlockSpaceManager``).
+The rules and an example: docs/simulate.md, "Admission".
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Model time of one simulated engine: when each step ends, and what each request saw.
 
-An engine runs steps; the :class:`~pagedkv.simulate.cost.CostModel` says how
-long each took from the work it counted. The clock keeps the end time of
-every step and, per finished request, the three moments latency is made of::
-
-    arrival_s ........ first token (end of its first prefill step) ...... finish (end of its last step)
-       |<------ TTFT ------>|<----------- output_len x TPOT ------------>|
-       |<--------------------------- end-to-end latency ---------------->|
-
-    normalised latency = end-to-end latency / output_len   (the PagedAttention paper's metric)
-
-With no work and no request waiting the engine is idle: ``idle_until``
-jumps to the next arrival (time-based arrivals) instead of stepping.
-
->>> from pagedkv.simulate.cost import CostModel
->>> clock = Clock(CostModel(step_overhead_s=0.5))
->>> clock.end_step(0, 0)   # step 0: no work, the overhead only
-0.5
->>> clock.idle_until(2.0); clock.end_step(0, 0)
-2.5
->>> clock.record(arrival_s=1.0, first_step=1, finish_step=1, num_output_tokens=1)
->>> clock.records
-[(1.0, 2.5, 2.5, 1)]
+Owns :class:`Clock`: each step's end time from the :class:`~pagedkv.simulate.cost.CostModel`,
+idle jumps to the next arrival, and per request its arrival, first token and finish. No
+vLLM counterpart (vLLM runs in wall time); it models the timestamps vLLM's
+``benchmark_serving`` records. The timeline and an example: docs/simulate.md, "The clock".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """More than one replica: N paged engines, each with its own real manager, behind a router.
 
-Each replica is a :class:`~pagedkv.simulate.PagedEngine` with its own pool,
-``KVCacheManager`` and clock (one accelerator each). Requests are routed in
-arrival order; before routing a request arriving at ``t``, every replica
-runs its steps up to ``t`` and, for a router that wants them, its KV events
-are drained into the router (so the router sees each replica as of its last
-step boundary, as an event stream would deliver it)::
-
-    arrivals --> [advance every replica to t] --> drain KV events --> router.choose --> replica.submit
-
-The router's own cost is measured: wall-clock seconds per routing decision
-(``routing_us``, the only wall-clock figure here besides ``wall_s``).
-
->>> from pagedkv.simulate import Budget, SimConfig
->>> from pagedkv.simulate.conversations import conversations
->>> workload = conversations(6, num_turns=2, rate=2.0, seed=0)
->>> config = SimConfig(Budget(4096), block_size=16, enable_prefix_caching=True)
->>> result = run_cluster(workload, config, 2, "round-robin")
->>> result.num_finished, [replica.num_finished for replica in result.replicas]
-(12, [6, 6])
+Owns :func:`run_cluster` and :class:`ClusterResult`: every replica advanced to each arrival,
+its KV events drained into the router, the request routed, the router's own cost measured.
+Counterpart: SGLang's router and llm-d's / Dynamo's KV-aware routing in front of vLLM
+replicas. The loop and an example: docs/simulate.md, "A cluster of replicas".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """What the simulator is told: the modeled model, the memory budget, the scheduler's knobs.
 
-The simulated engine keeps only bookkeeping: its real ``KVPool`` is tiny
-(one layer, one head, ``head_dim`` 1). The *modeled* model decides how many
-tokens a memory budget in bytes holds::
-
-    bytes per token = num_layers x num_kv_heads x head_dim x 2 (K and V) x dtype_bytes
-    OPT-13B (the default): 40 x 40 x 128 x 2 x 2 = 819,200 bytes (the paper's "800 KB")
-
->>> ModelShape().bytes_per_token
-819200
->>> budget = Budget.from_bytes(parse_bytes("12GiB"), ModelShape())
->>> budget.num_tokens, budget.num_blocks(16)
-(15728, 983)
+Owns :class:`SimConfig`, :class:`Budget` and :func:`parse_bytes`; the modeled model's
+bytes per token turn a budget in bytes into token slots. Counterpart: vLLM's
+``EngineArgs`` / ``CacheConfig`` (``gpu_memory_utilization`` -> ``num_gpu_blocks``).
+The formula and an example: docs/simulate.md, "The modeled model and the budget".
 """
 
 from __future__ import annotations

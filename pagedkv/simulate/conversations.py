@@ -1,26 +1,9 @@
 """Multi-turn chat: conversations under shared system prompts, each turn's prompt extending the last.
 
-A conversation picks one of ``num_system_prompts`` system prompts and then
-takes turns; turn ``k``'s prompt is the system prompt followed by every
-earlier user message and reply, then the new user message::
-
-    turn 1:  [system][user 1]
-    turn 2:  [system][user 1][reply 1][user 2]
-    turn 3:  [system][user 1][reply 1][user 2][reply 2][user 3]
-
-so a replica that served turn ``k`` (and still caches its blocks) holds most
-of turn ``k + 1``'s prompt. Conversations start as a Poisson process of
-``rate`` per model second; turn ``k + 1`` arrives ``think_s`` after turn ``k``
-(an open loop: it does not wait for the reply). Lengths are lognormal
-(user messages mean 40 tokens, replies mean 120); a conversation stops early
-once a turn would pass ``max_model_len``.
-
->>> workload = conversations(2, num_turns=3, seed=0, rate=1.0)
->>> [(r.prefix_group, r.prompt_len) for r in workload.requests][:3]
-[('system-0', 214), ('system-2', 230), ('system-0', 342)]
->>> first, later = workload.requests[0], workload.requests[2]
->>> later.prompt[: first.prompt_len] == first.prompt
-True
+Owns :func:`conversations`, the workload of the replica and host-tier studies: Poisson
+conversation starts, open-loop turns, lognormal message lengths. Models the multi-turn chat
+of SGLang's RadixAttention paper (SGLang's ``benchmark/multi_turn_chat``). The turn layout
+and an example: docs/simulate.md, "Conversations".
 """
 
 from __future__ import annotations

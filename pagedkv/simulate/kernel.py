@@ -1,29 +1,10 @@
 """The kernel side of the block-size trade-off: measured attention time per block size, loaded and checked.
 
-``benchmarks/bench_views.py`` times one decode query over a 4,096-token
-cache for block sizes 1 ... 256, three ways (gather into scratch, mapped
-page views, one contiguous array), and writes the medians as JSON::
-
-    {"block_size":    [1, 2, 4, ...],        ints >= 1, increasing
-     "gather_ms":     [2.04, 2.85, ...],     one number > 0 per block size
-     "view_ms":       [2.32, 3.02, ...],
-     "contiguous_ms": [1.82, 1.80, ...],
-     "machine":       "AMD EPYC ..., 2 cores, BLAS 1 thread, cache-cold"}
-
-Other keys are ignored. The simulator cannot time a kernel itself (it
-models an accelerator), so ``pagedkv simulate --sweep --kernel-cost PATH``
-reads such a file and puts it beside the memory figures. The default is the
-checkout's ``benchmarks/results/kernel_block_size.json`` when the package
-runs from a checkout, else the copy shipped as package data
-(``pagedkv/simulate/data/kernel_block_size.json``).
-
->>> cost = parse_kernel_cost(
-...     {"block_size": [1, 16], "gather_ms": [4.0, 3.0], "view_ms": [2.0, 2.5],
-...      "contiguous_ms": [2.0, 2.0], "machine": "a laptop"}, source="example")
->>> cost.at(16)
-KernelPoint(block_size=16, gather_ms=3.0, view_ms=2.5, contiguous_ms=2.0)
->>> cost.at(16).gather_ratio, cost.at(8) is None
-(1.5, True)
+Owns :class:`KernelCost` and its JSON file, written by ``benchmarks/bench_views.py`` and read
+by ``pagedkv simulate --sweep --kernel-cost PATH`` (default: the checkout's
+``benchmarks/results/kernel_block_size.json``, else the package-data copy). Models the
+PagedAttention paper's kernel microbenchmark (§7.1, Figure 18). The file format and an
+example: docs/simulate.md, "The kernel side of the block-size sweep".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Latency and throughput of a run, in model seconds: means and percentiles of what requests saw.
 
-From the clock's records (:mod:`pagedkv.simulate.clock`), per request::
-
-    ttft       = first_token_s - arrival_s
-    tpot       = (finish_s - first_token_s) / num_output_tokens
-    e2e        = finish_s - arrival_s
-    normalised = e2e / num_output_tokens     (seconds per output token, as the PagedAttention paper plots)
-
-and over the run: requests and output tokens per model second, from the
-first arrival to the last finish. A request with ``n`` samples counts its
-output once per sample in the throughput, once (``output_len``) in its own
-latency.
-
->>> latency = summarize([(0.0, 1.0, 3.0, 2), (1.0, 2.0, 5.0, 4)], num_generated_tokens=6)
->>> latency.ttft_mean, latency.normalised_mean, latency.requests_per_s
-(1.0, 1.25, 0.4)
+Owns :class:`Latency` and :func:`summarize`, over the clock's records: TTFT, TPOT,
+end-to-end and normalised latency per request, requests and tokens per model second.
+Counterpart: the metrics of vLLM's ``benchmark_serving`` (normalised latency is the
+PagedAttention paper's). The formulas and an example: docs/simulate.md, "Latency and throughput".
 """
 
 from __future__ import annotations

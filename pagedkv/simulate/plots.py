@@ -1,14 +1,10 @@
 """PNG figures of a simulation (the ``plot`` extra: ``pip install "pagedkv[plot]"``).
 
-matplotlib is imported only when a figure is drawn, on the Agg backend; without
-it every function raises :class:`MissingExtraError`, naming the extra.
-
-* :func:`plot_page_map`: the page map over time, one row per step;
-* :func:`plot_occupancy`: memory over time, paged vs contiguous;
-* :func:`~pagedkv.simulate.plots_sweep.plot_sweep` (its own module): a block-size sweep;
-* :func:`pyplot`, :func:`save_figure`: what every figure module draws with.
-
-The tutorial's memory figures are drawn by :mod:`pagedkv.simulate.figures`.
+Owns :func:`plot_page_map` (the page map over time), :func:`plot_occupancy` (memory over time,
+paged vs contiguous) and :func:`pyplot` / :func:`save_figure`, which every figure module draws
+with; matplotlib loads on first use (Agg), else :class:`MissingExtraError` names the extra.
+The sweep: :mod:`pagedkv.simulate.plots_sweep`; the tutorial's memory figures:
+:mod:`pagedkv.simulate.figures`. Models the PagedAttention paper's memory figures.
 """
 
 from __future__ import annotations

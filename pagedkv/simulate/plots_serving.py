@@ -1,13 +1,11 @@
 """PNG figures of the serving study (the ``plot`` extra): latency and preemptions against rate, routers.
 
-* :func:`plot_rate_sweep`: normalised latency against request rate, one line
-  per system, one panel per dataset (the PagedAttention paper's Fig. 12 axes);
-* :func:`plot_schedulers`: preemptions, recomputed share, latency and
-  throughput against rate, one line per scheduler;
-* :func:`plot_routers`: a cluster under each router: prefix hits, latency,
-  each replica's memory, the router's own cost;
-* :func:`serving_figures`: the tutorial's three figures
-  (``pagedkv viz --png latency,schedulers,routers``, or ``--all``).
+:func:`plot_rate_sweep`: normalised latency against request rate, one line per system, one
+panel per dataset (the PagedAttention paper's Fig. 12 axes); :func:`plot_schedulers`:
+preemptions, recomputed share, latency and throughput against rate, one line per scheduler;
+:func:`plot_routers`: a cluster under each router (prefix hits, latency, each replica's
+memory, the router's own cost); :func:`serving_figures`: the tutorial's three figures
+(``pagedkv viz --png latency,schedulers,routers``, or ``--all``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The block-size sweep as a PNG, both sides: memory from the simulation, kernel time as measured.
 
-The ``plot`` extra (``pip install "pagedkv[plot]"``), as :mod:`pagedkv.simulate.plots`.
-Six panels, memory side on the left and in the middle column's neighbours::
-
-    +----------------------+----------------------------+---------------------+
-    | memory: live / waste | kernel: ms per call        | batch size          |
-    |                      | (gather, views, contiguous)|                     |
-    +----------------------+----------------------------+---------------------+
-    | prefix cache hits    | step time if attention ran | bookkeeping speed   |
-    |                      | at the measured ratio      |                     |
-    +----------------------+----------------------------+---------------------+
-
-Without a kernel cost the two middle panels say so instead of drawing.
+Owns :func:`plot_sweep` (the ``plot`` extra, as :mod:`pagedkv.simulate.plots`): six panels,
+memory beside the measured kernel. Models the PagedAttention paper's block-size figure
+(§7.2, Figure 18b). The panel layout: docs/simulate.md, "The kernel side of the block-size sweep".
 """
 
 from __future__ import annotations

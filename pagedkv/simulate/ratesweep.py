@@ -1,27 +1,9 @@
 """The PagedAttention paper's headline experiment: normalised latency against request rate.
 
-Requests arrive as a Poisson process at rate ``λ`` (requests per model
-second). For each rate, every *system* serves the same requests (the same
-lengths, the same order; only the gaps shrink as ``λ`` grows) under the same
-memory, and the cost model turns each run's steps into time. A system is a
-policy, and for the paged policy a scheduler::
-
-    paged                the paged manager with the config's scheduler
-    paged:vllm-v1        ... with a named scheduler (pagedkv.simulate.scheduler)
-    contiguous           reserve prompt + max_model_len       (the paper's Orca (Max))
-    contiguous-pow2      reserve the power of two above the final length  (Orca (Pow2))
-    contiguous-oracle    reserve exactly the final length     (Orca (Oracle))
-
-Latency first grows slowly with ``λ``, then explodes once the rate passes
-what the system can serve (the queue grows without bound). The *sustained
-rate* of a system is the highest rate swept whose mean normalised latency is
-within ``slo`` seconds per output token.
-
->>> from pagedkv.simulate import Budget, SimConfig
->>> points = rate_sweep("alpaca", 40, SimConfig(Budget(512), block_size=8), [5.0, 50.0],
-...                     ["paged", "contiguous"])
->>> [(p.rate, p.system) for p in points]
-[(5.0, 'paged'), (5.0, 'contiguous'), (50.0, 'paged'), (50.0, 'contiguous')]
+Owns :func:`rate_sweep`, :func:`sustained_rates` and their table: every system (paged with
+a scheduler, or a contiguous reservation rule) serves the same Poisson requests at each rate.
+Models the paper's Figure 12 and vLLM's ``benchmark_serving --request-rate``. The systems,
+the sustained rate and an example: docs/simulate.md, "The rate sweep"; results: docs/study.md.
 """
 
 from __future__ import annotations

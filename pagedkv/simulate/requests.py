@@ -1,33 +1,10 @@
 """The requests in flight in the paged simulation: their states, and who waits or runs.
 
-A :class:`LiveRequest` records one request's state and step arithmetic; the
-:class:`Schedule` is the one place that moves requests between states, and
-frees or preempts their sequences as it does::
-
-    WAITING --start--> RUNNING ---finish (its last token written)---> FINISHED
-       |   ^             |   ^
-       |   | preempt     |   | start again (re-admitted: its tokens recomputed, or swapped back in)
-       |   |             v   |
-       |   |           PREEMPTED  (recompute: no blocks; swap: its blocks on the host)
-       v   |
-     PREFILLING --start (its last prompt chunk written; chunked prefill only)--> RUNNING
-
-    WAITING, RUNNING or PREEMPTED ---abort---> ABORTED   (it outgrew the whole pool running alone)
-
-The scheduler (:mod:`pagedkv.simulate.engine` and
-:mod:`~pagedkv.simulate.admission`) decides when; the schedule keeps the
-order that says whom (FCFS admission, the newest preempted first). Step
-arithmetic, a request with prompt 3 and output 4 admitted at step 10::
-
-    step                  10   11   12   13   14
-    tokens per sequence    3    4    5    6    7      = prompt_len + step - base
-    base = 10, finish_step = base + output_len = 14: freed at the end of step 14
-
->>> from pagedkv.simulate.workload import Request
->>> live = LiveRequest(Request(0, prompt_len=3, output_len=4))
->>> live.base = 10
->>> live.state, live.finish_step, live.num_tokens(12)
-(<RequestState.WAITING: 'waiting'>, 14, 5)
+Owns :class:`LiveRequest` (one request's state and step arithmetic) and :class:`Schedule`,
+the one place that moves requests between states and frees or preempts their sequences.
+Counterpart: vLLM v1's ``Request`` / ``RequestStatus`` and the scheduler's ``waiting`` and
+``running`` queues. The state diagram, the step arithmetic and an example:
+docs/simulate.md, "Requests in flight".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """What one policy's simulation measured: :class:`PolicyResult`, and how it is accumulated.
 
-Memory is split, at every measured step, into four parts that add up to the
-budget (fractions of it)::
-
-    | live tokens | reserved, unfilled | free |
-                  '- paged: empty slots of held blocks (the last block's tail)
-                     contiguous: room reserved for tokens not generated yet,
-                     plus room reserved that the request will never use
-
-*Occupancy* is the live part: the share of the KV memory that holds real
-token states (the PagedAttention paper's metric: 20.4-38.2% for earlier
-systems). Deterministic fields go to ``as_dict()``; wall-clock ones to
-``timing()``, so two runs with the same seed compare equal on ``as_dict()``.
+Owns :class:`PolicyResult`, :class:`Series` and :class:`Accumulator`: memory split into live,
+reserved-unfilled and free at every measured step, counters, and timing kept apart from the
+deterministic fields. Models the PagedAttention paper's memory-waste breakdown (Figure 2).
+The split and what occupancy means: docs/simulate.md, "What a run measured".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Schedulers as choices: named presets of the paged engine's admission and preemption knobs.
 
-Every preset drives the same real manager; only the decisions differ::
-
-    name            admits while                         budget per step         preempts (newest first)
-    greedy          prompt fits, 1% of blocks free       none                    recompute
-    watermark       prompt fits, 10% of blocks free      none                    recompute
-    swap            prompt fits, 1% free                 none                    swap to a host pool (4 GiB),
-                                                                                 recompute if it is full
-    vllm-v1         prompt chunk fits; <= 256 sequences  2,048 tokens, chunked   recompute
-    reserve-growth  prompt fits, and every running       none                    recompute
-                    sequence's next 64 tokens fit too
-
-``greedy`` is the simulator's historical default (vLLM v0 with its 0.01
-watermark). ``vllm-v1`` follows vLLM's v1 scheduler: decode tokens first,
-then prefill chunks from the remaining ``max_num_batched_tokens``, at most
-``max_num_seqs`` running, no watermark, recompute preemption of the most
-recently admitted request. ``reserve-growth`` bounds thrash: admission keeps
-room for the running batch to grow for 64 more steps, so a preemption needs
-64 steps of growth no finishing request paid for (``watermark`` is the
-static version of the same idea).
-
->>> from pagedkv.simulate import Budget, SimConfig
->>> config = with_scheduler(SimConfig(Budget(4096), block_size=16), "vllm-v1")
->>> config.scheduler, config.max_num_batched_tokens, config.chunked_prefill, config.watermark
-('vllm-v1', 2048, True, 0.0)
->>> with_scheduler(SimConfig(Budget(4096), block_size=16), "swap").num_host_blocks
-327
+Owns :func:`with_scheduler` and :func:`parse_system`: ``greedy``, ``watermark``, ``swap``,
+``vllm-v1`` and ``reserve-growth``, each a set of :class:`SimConfig` knobs over the same real
+manager. Counterpart: vLLM's scheduler settings (v0's watermark and swap preemption, v1's
+token budget and chunked prefill). The presets and an example: docs/simulate.md,
+"Schedulers"; how they compare: docs/study.md, section 3.
 """
 
 from __future__ import annotations

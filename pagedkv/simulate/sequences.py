@@ -1,23 +1,9 @@
 """The simulator's side of every sequence it put into the manager: owner, tokens, writes.
 
-The manager knows blocks; the scheduler knows requests. Between them this
-book keeps, per sequence id: the request that owns it, its token ids (only
-with prefix caching, where they decide what is found cached), and its entry
-in the decode request ``{seq_id: 1}`` that every step reserves. It also
-writes what a reservation asks for: the pool is one layer, one head,
-``head_dim`` 1, so the k/v written are zeros from one reused buffer.
-
->>> from pagedkv import KVCacheManager, KVPool
->>> from pagedkv.simulate.result import PolicyResult
->>> book = SequenceBook(KVCacheManager(KVPool(8, block_size=4, head_dim=1)), PolicyResult("paged"))
->>> seq_id = book.new_seq_id(request_id=7)
->>> book.manager.add_sequence(seq_id)
-0
->>> book.feed({seq_id: 6})
-6
->>> child = book.fork(seq_id, request_id=7)
->>> book.seq_owner, book.result.num_prefill_tokens, book.manager.num_tokens(child)
-({0: 7, 1: 7}, 6, 6)
+Owns :class:`SequenceBook`: per sequence id its owning request, its token ids (prefix
+caching only) and its decode entry, and the zero k/v writes a reservation asks for.
+Counterpart: the request-to-sequence bookkeeping of vLLM's ``SequenceGroup`` (v0).
+What it keeps and an example: docs/simulate.md, "The sequence book".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Both sides of the block-size trade-off in one table: the sweep's memory rows beside the measured kernel.
 
-A :class:`~pagedkv.simulate.report.SweepRow` says what a block size does to
-memory; a :class:`~pagedkv.simulate.kernel.KernelCost` what it does to the
-attention kernel, measured on a CPU. The cost model then gives the honest
-link between them: the share of a run's busy time its memory-bound steps
-spend reading KV (``PolicyResult.attention_s / busy_s``). If attention ran
-``r`` times slower than a contiguous kernel, a step would take::
-
-    step time x (1 - share + share x r)        (only the KV-read part stretches)
-
-That is a what-if, not a prediction: ``r`` is this CPU's ratio at the
-measured shape, while the cost model prices an accelerator, whose paged
-kernel pays its own ratio (vLLM's: 1.20-1.26x, PagedAttention paper §7.1).
-
->>> from pagedkv.simulate.kernel import KernelPoint
->>> KernelRow(16, None, KernelPoint(16, 3.0, 2.5, 2.0), attention_share=0.25).step_factors()
-(1.125, 1.0625)
+Owns :class:`KernelRow` and its table: each sweep row beside the measured kernel point, and
+the what-if step time if attention ran at the measured ratio. Models the PagedAttention
+paper's block-size study (§7.2). The formula, and why it is a what-if, not a prediction:
+docs/simulate.md, "The kernel side of the block-size sweep".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Synthetic request streams: ShareGPT- and Alpaca-like lengths, shared system prompts, forks, arrivals.
 
-Synthetic lengths (``"sharegpt"`` and ``"alpaca"``) are lognormal, rounded and
-clipped to ``[1, max_len]``; the lognormal's ``mu`` is solved so that the
-*clipped* mean equals the target mean (the PagedAttention paper's ShareGPT and
-Alpaca averages)::
-
-    dataset    prompt mean  sigma   output mean  sigma   clip
-    sharegpt   161          1.0     338          1.0     [1, max_model_len / 2] each
-    alpaca     19.31        0.6     58.45        0.7     [1, max_model_len / 2] each
-    longdoc    6000         0.5     250          0.7     (needs --max-model-len 32768 or so)
-
-so prompt + output never exceeds ``max_model_len`` (default 2048). ``longdoc``
-(long documents in, short answers out) is the hybrid-model study's workload.
-
->>> workload = synthetic("alpaca", 3, seed=1)
->>> [(r.prompt_len, r.output_len) for r in workload.requests]
-[(20, 18), (26, 86), (20, 63)]
->>> len(workload.prompt_tokens(workload.requests[0]))
-20
+Owns :func:`synthetic`: lognormal lengths whose clipped means match the PagedAttention
+paper's ShareGPT and Alpaca averages (and ``longdoc`` for the hybrid-model study).
+Counterpart: the ``sharegpt`` and ``random`` datasets of vLLM's ``benchmark_serving``.
+The length table and an example: docs/simulate.md, "Synthetic workloads".
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Request streams for the serving simulator: requests, workloads, arrivals, and the JSONL file format.
 
-A :class:`Request` is what a user sends: a prompt, how many tokens the model
-will generate for it, and how many samples it wants. A :class:`Workload` is a
-list of requests plus the seed that makes its token ids reproducible;
-:class:`Arrivals` hands its requests out step by step. Synthetic workloads
-(ShareGPT- and Alpaca-like) come from :mod:`pagedkv.simulate.synthetic`.
-
-JSONL schema, one request per line (blank lines and lines starting with ``#``
-are skipped)::
-
-    {"prompt_len": 120,        # int >= 1; required unless "prompt" is given
-     "output_len": 300,        # int >= 1; required: tokens the model generates
-     "prompt": [1, 2, 3],      # optional token ids (non-negative ints); sets prompt_len
-     "n": 1,                   # optional samples (forks) per request, default 1
-     "sampling": "parallel",   # optional "parallel" or "beam", default "parallel"
-     "prefix_group": "sys-a",  # optional: requests of a group share a system prompt
-     "prefix_len": 64,         # optional: its length (default: the group's shortest prompt)
-     "max_output_len": 512,    # optional: what a contiguous system reserves (>= output_len)
-     "arrival_step": 0,        # optional: the step the request arrives, default 0
-     "arrival_s": 1.5}         # optional: the model second it arrives (after arrival_step)
-
->>> workload = parse_jsonl(['{"prompt_len": 20, "output_len": 18}', '{"prompt": [5, 6], "output_len": 3}'])
->>> [(r.prompt_len, r.output_len) for r in workload.requests], workload.prompt_tokens(workload.requests[1])
-([(20, 18), (2, 3)], [5, 6])
->>> len(workload.prompt_tokens(workload.requests[0]))
-20
+Owns :class:`Request`, :class:`Workload`, :class:`Arrivals` and the JSONL format
+(:func:`parse_jsonl`, :func:`load_jsonl`); synthetic streams live in
+:mod:`pagedkv.simulate.synthetic`. Counterpart: the dataset loaders of vLLM's
+``benchmark_serving``. The JSONL schema and an example: docs/simulate.md, "Workloads and the JSONL format".
 """
 
 from __future__ import annotations

@@ -222,8 +222,6 @@ def attention_refusals(model: Any) -> list[str]:
         found.append("attention bias (ALiBi)")
     if getattr(text, "is_causal", True) is False:
         found.append("non-causal attention (config.is_causal=False)")
-    if "chunked_attention" in _layer_types(text)[0]:
-        found.append("chunked attention (config.attention_chunk_size): pagedkv windows slide, chunks do not")
     dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
     if dropout > 0 and getattr(model, "training", False):
         found.append(f"attention dropout {dropout} in training mode (call model.eval())")
