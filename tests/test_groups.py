@@ -285,3 +285,23 @@ def test_group_batch_lays_tokens_out_as_each_group_does():
     batch = manager.reserve({"a": 3, "b": 1})
     assert isinstance(batch, GroupBatch)
     assert batch.seq_ids == ("a", "b") and batch.num_tokens == 4 and batch.query_start.tolist() == [0, 3, 4]
+
+
+def test_a_router_index_fed_one_groups_events_holds_that_groups_keys():
+    """A prefix-aware router keeps working: each group's events rebuild that group's keys; group 0
+    (full attention) bounds every hit, so its index is the one a router asks."""
+    from pagedkv.prefix.events import PrefixIndex
+
+    manager = hybrid([2, None], num_blocks=40, block_size=2, enable_prefix_caching=True, kv_events=True)
+    for seq, prompt in (("a", [1, 2, 3, 4, 5, 6, 7]), ("b", [1, 2, 3, 4, 9, 9, 9]), ("c", [5] * 9)):
+        manager.add_sequence(seq, prompt)
+        step(manager, {seq: prompt[manager.num_tokens(seq) :]})
+        step(manager, {seq: [0]})
+    manager.free("a")
+    indexes = [PrefixIndex() for _ in manager.groups]
+    for group, event in manager.drain_kv_events():
+        indexes[group].apply([event])
+    for index, group in zip(indexes, manager.groups):
+        assert group.kv_events is not None
+        assert set(index.parent_of) == group.kv_events.keyed_hashes
+    assert len(indexes[0]) >= len(indexes[1])  # the window group keeps fewer blocks
