@@ -40,9 +40,8 @@ def fill(reserve_all, length: int) -> int:
         count += 1
 
 
-def uniform(budget: int, length: int) -> int:
-    pool = KVPool(budget // len(WINDOWS), block_size=BLOCK_SIZE, head_dim=1, num_layers=len(WINDOWS))
-    manager = KVCacheManager(pool, layer_max_sizes=WINDOWS)
+def one_manager(manager: KVCacheManager | HybridKVCacheManager, length: int) -> int:
+    """How many requests of ``length`` tokens ``manager`` holds (every model layer written)."""
 
     def reserve_all(seq: str, n: int) -> None:
         if seq not in manager:
@@ -52,6 +51,11 @@ def uniform(budget: int, length: int) -> int:
             manager.write(layer, batch, _zeros(n), _zeros(n))
 
     return fill(reserve_all, length)
+
+
+def uniform(budget: int, length: int) -> int:
+    pool = KVPool(budget // len(WINDOWS), block_size=BLOCK_SIZE, head_dim=1, num_layers=len(WINDOWS))
+    return one_manager(KVCacheManager(pool, layer_max_sizes=WINDOWS), length)
 
 
 def one_pool(budget: int, length: int) -> int:
@@ -62,16 +66,7 @@ def one_pool(budget: int, length: int) -> int:
         head_dim=1,
         num_layers=layout.layers_per_group,
     )
-    manager = HybridKVCacheManager(pool, layout)
-
-    def reserve_all(seq: str, n: int) -> None:
-        if seq not in manager:
-            manager.add_sequence(seq)
-        batch = manager.reserve({seq: n})
-        for layer in range(len(WINDOWS)):
-            manager.write(layer, batch, _zeros(n), _zeros(n))
-
-    return fill(reserve_all, length)
+    return one_manager(HybridKVCacheManager(pool, layout), length)
 
 
 def pool_per_group(budget: int, length: int, design_tokens: int) -> int:
