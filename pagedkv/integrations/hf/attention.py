@@ -1,17 +1,9 @@
 """pagedkv as a transformers attention implementation: ``KVCacheManager.attend`` does the work.
 
-transformers looks attention up by name (``AttentionInterface``) and builds the
-mask with a function of the same name (``AttentionMaskInterface``). Under
-``"pagedkv"`` the mask function returns only which *new* positions are real,
-``(batch, seq)``; causality and the window are the manager's::
-
-    model forward:  mask fn (once)       -> padding (batch, seq), or None
-    each layer:     cache.update(k, v)   -> k, v untouched, remembered
-                    attention fn         -> cache.attend(...) -> reserve? write, attend
-
-Whatever pagedkv cannot compute is refused: at setup from the config
-(:func:`~pagedkv.integrations.hf.spec.attention_refusals`), and per call from
-the arguments transformers passes (softcap, sinks, dropout, a 4D mask).
+Registered under ``"pagedkv"`` with ``AttentionInterface`` and ``AttentionMaskInterface``
+(vLLM: its Transformers backend's attention); the mask function passes only which new
+positions are real, causality and windows are the manager's. What pagedkv cannot
+compute is refused at setup and per call. docs/integrations.md draws the call order.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``PagedCache``: a transformers ``Cache`` whose keys and values live in a pagedkv pool.
 
-Each batch row is one sequence of a :class:`~pagedkv.KVCacheManager`. Layer
-``update`` calls drive the manager's step, with no "step begins" hook::
-
-    forward step t:   update(layer 0)  -> reserve + write(pool layer 0)
-                      update(layer 1)  -> write(pool layer 1)
-                      ...
-    forward step t+1: update(layer 0)  -> layer 0 was written this step: a new step
-
-Two modes, chosen by the model's attention implementation when rows start:
-
-* storage (any transformers attention): ``update`` stores the new keys and
-  values and returns each row's visible ones, as ``DynamicCache`` (and its
-  sliding-window layers) would: views of a per-layer read cache
-  (:mod:`~pagedkv.integrations.hf.read_cache`), never written again;
-* attention (``use_pagedkv_attention(model)``): ``update`` returns the new
-  states untouched, and the attention function calls :meth:`PagedCache.attend`,
-  which stores only real (unpadded) tokens and runs ``KVCacheManager.attend``.
-
-A float16 or bfloat16 model's pages are stored in its dtype; the manager computes
-in float32 (widening is exact), and attention mode rounds its output to the model's dtype.
+Each batch row is one sequence of a :class:`~pagedkv.KVCacheManager` (a
+:class:`~pagedkv.HybridKVCacheManager` for models with several windows); layer
+``update`` calls drive the manager's step (transformers' ``DynamicCache`` is the
+counterpart). Storage mode returns each row's visible keys as ``DynamicCache`` would;
+attention mode hands attention to ``KVCacheManager.attend``. docs/integrations.md
+("How the integration is built") draws the step and the two modes.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Storage mode's read cache: each layer's visible keys and values, contiguous, appended in place.
 
-transformers' own attention wants every row's visible keys as one tensor
-``(batch, kv_heads, seq, head_dim)``. Gathering them from the pool's pages each
-step copies the whole history through a transpose (the pages are token-major);
-instead each storing layer keeps one growing buffer, fed by each step's new
-keys, and hands out narrow views of it::
-
-    capacity 8, window None        positions (columns) held: start .. end - 1
-    step 1 (prefill 3)   [k0 k1 k2 .  .  .  .  . ]   returns view 0..2
-    step 2 (1 new)       [k0 k1 k2 k3 .  .  .  . ]   returns view 0..3
-    ... full: a new buffer of twice the need; the old one stays with its views
-
-The pool stays the source of truth (every token is written there first); a
-buffer is only a faster way to read it, and is rebuilt from the pool whenever
-it cannot follow (after ``crop``, ``reset``, or with a quantized pool).
-
-NOTE: the rule for tensors handed to transformers: *a returned tensor is never
-written again.* A buffer is append-only: writes go past every view already
-returned, and anything that would rewrite a position (crop, a window compacting
-its history, reordering rows) writes a new buffer instead. So a returned
-tensor stays valid and unchanged for as long as anyone holds it; the cost is
-memory: the buffer duplicates the layer's pages (at most twice over while it
-grows), and dropped buffers live on while their views do.
+One growing buffer per storing layer, fed by each step's new keys, hands out narrow
+views, so transformers' attention reads one tensor without a gather from the pages
+each step. The pool stays the source of truth; a returned tensor is never written
+again (append-only; a rewrite makes a new buffer). docs/integrations.md ("Storage
+mode's read cache") states the rule and the memory cost.
 """
 
 from __future__ import annotations

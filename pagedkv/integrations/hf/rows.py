@@ -1,15 +1,9 @@
 """Batch rows of a transformers cache, each one sequence of a :class:`~pagedkv.KVCacheManager`.
 
-transformers addresses a cache by batch row; the manager by ``seq_id``. Beam
-search and batch surgery renumber rows, which here is ``fork`` and ``free``, so
-rows that come from one parent share its blocks::
-
-    rows    [s0, s1, s2]           beam_idx [0, 0, 2]
-    fork    s0 -> s3, s0 -> s4, s2 -> s5;  free s0, s1, s2
-    rows    [s3, s4, s5]           s3 and s4 share every block of s0
-
-A row's *pads* are its left-padding columns: pagedkv attention stores only a
-row's real tokens, so its token count is its column count minus its pads.
+transformers addresses a cache by batch row, the manager by ``seq_id``: beam search's
+row renumbering is ``fork`` and ``free`` here, so beams share their parent's blocks
+(vLLM: beam search's forked sequences). A row's pads are its left-padding columns.
+docs/integrations.md ("Rows, beams and crop") draws an example.
 """
 
 from __future__ import annotations

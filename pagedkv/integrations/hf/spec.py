@@ -1,19 +1,10 @@
 """What pagedkv needs to know about a transformers model, and what it refuses.
 
-A model's config says everything a pool and a manager need::
-
-    num_hidden_layers 4, layer_types [full, sliding(8), dummy, full]
-        storing_layers      (0, 1, 3)       model layer of each pool layer
-        windows             (None, 8, None, None)
-        pool layers         3               a shared-KV ("dummy") layer stores nothing
-
-A float16 or bfloat16 model keeps its pages in its own dtype (``page_dtype``) and
-pagedkv computes in float32 (``dtype``): every 16-bit value widens exactly.
-
-NOTE: only layers that store keys get a pool layer. The manager refuses a new
-reservation while any of its layers has not written the last one, so a model
-layer that never calls ``Cache.update`` (it reuses another layer's keys) would
-wedge every later step if it had a pool layer of its own.
+:func:`read_spec` reads a config (``layer_types``, windows, chunks, heads, dtype) into a
+:class:`ModelSpec`: which layers store keys (a shared-KV layer gets no pool layer, or
+it would wedge every later step), each layer's window, and the dtype pages are stored
+in. :func:`attention_refusals` lists what attention mode cannot compute (vLLM: its
+backends' ``supports_*`` checks). docs/integrations.md ("Reading a model") has the table.
 """
 
 from __future__ import annotations
