@@ -736,9 +736,10 @@ def test_machine_catches_a_lookup_that_reports_the_whole_prompt() -> None:
     original = pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix
 
     def greedy(
-        self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+        self: PrefixSharing, seq: Any, token_ids: list[int], tokens: bytes, max_blocks: int | None = None,
+        prefetched: Any = None,
     ) -> int:
-        return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]), max_blocks)
+        return original(self, seq, [*token_ids, 0], tokens + token_bytes([0]), max_blocks, prefetched)
 
     pagedkv.manager.prefix_sharing.PrefixSharing.share_cached_prefix = greedy  # type: ignore[method-assign]
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from support.redis_server import redis_server
 
 from pagedkv import KVCacheManager, KVPool
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, InputTypeError
 from pagedkv.tiers import (
     BlockLayout,
     FileStore,
@@ -28,6 +29,8 @@ from pagedkv.tiers import (
     encode_block,
     store_key,
 )
+from pagedkv.tiers.hooks import DeviceTiering
+from pagedkv.tiers.worker import PendingLoad
 
 SHAPE = {"block_size": 4, "num_kv_heads": 2, "head_dim": 4, "num_layers": 2, "dtype": np.float32}
 MODEL = "test-model"
@@ -45,9 +48,15 @@ def inputs(prompt: list[int], positions: np.ndarray, layer: int, shape: dict) ->
     return tuple(x.astype(shape["dtype"]) for x in (k, v, q))
 
 
-def run(manager: KVCacheManager, seq_id: str, prompt: list[int], shape: dict = SHAPE) -> tuple[int, list]:
+def run(
+    manager: KVCacheManager,
+    seq_id: str,
+    prompt: list[int],
+    shape: dict = SHAPE,
+    prefetched: PendingLoad | None = None,
+) -> tuple[int, list]:
     """Admit ``prompt``, write the tokens past its hit, attend them; the hit and each layer's output."""
-    num_hit = manager.add_sequence(seq_id, prompt)
+    num_hit = manager.add_sequence(seq_id, prompt, prefetched=prefetched)
     batch = manager.reserve({seq_id: prompt[num_hit:]})
     positions = np.arange(num_hit, len(prompt))
     outputs = []
@@ -314,3 +323,180 @@ def test_a_second_process_admits_a_2000_token_prompt_from_redis_bit_identical(tm
     # the first computes all of it; the second loads 124 full blocks (1,984 tokens) and computes 16
     assert lines[0] == ["first", "0", "0", "0", "True"]
     assert lines[1] == ["second", "1984", "1984", "0", "True"]
+
+
+# ---------------------------------------------------------------- off the step: prefetch, then admit
+
+
+class GatedStore(FlakyStore):
+    """A dict store whose ``get`` waits for ``gate`` (a slow server), and can raise a non-store error."""
+
+    def __init__(self) -> None:
+        super().__init__(num_good_gets=1 << 30)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.broken = False
+        self.num_stalls = 0   # gets that gave up waiting: someone waited on this store for 5 s
+
+    def get(self, key: bytes) -> bytes | None:
+        if not self.gate.wait(timeout=5):
+            self.num_stalls += 1
+        if self.broken:
+            raise RuntimeError("a bug in the store client")   # not a StoreError: fetch itself raises
+        return super().get(key)
+
+
+def gated_manager() -> tuple[KVCacheManager, GatedStore]:
+    store = GatedStore()
+    manager = tiered_manager(lambda layout: TieredStore(layout, stores=[store]))
+    evict_a(manager)
+    return manager, store
+
+
+def tiering_of(manager: KVCacheManager) -> DeviceTiering:
+    assert manager.tiering is not None
+    return manager.tiering
+
+
+def test_a_prefetched_prefix_is_admitted_from_the_load_bit_identical() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A)
+    assert load.wait(timeout_s=10) and load.status == "ready" and len(load.keys) == 3
+    num_free = manager.pool.num_free_blocks
+    assert num_free == 8   # the prefetch took no device block
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)
+    assert num_hit == 12
+    assert manager.metrics().num_tier_hits == 12 and tiering_of(manager).num_prefetched_blocks == 3
+    assert_same(outputs, recomputed(PROMPT_A, 12))
+    manager.check_invariants()
+
+
+def test_a_prefetch_from_a_slow_store_holds_no_lock_while_the_store_answers() -> None:
+    manager, store = gated_manager()
+    store.gate.clear()                       # the server stalls every get
+    load = manager.prefetch(PROMPT_A)
+    # the step goes on while the worker waits on the store: B runs to the end, under the pool's lock
+    assert not load.done()
+    run(manager, "b2", PROMPT_B[:9])
+    manager.free("b2")
+    store.gate.set()
+    assert load.wait(timeout_s=10) and load.status == "ready"
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)
+    assert num_hit == 12 and manager.metrics().num_tier_errors == 0
+    assert_same(outputs, recomputed(PROMPT_A, 12))
+    manager.check_invariants()
+
+
+def test_a_synchronous_admission_does_not_wait_behind_a_stalled_prefetch() -> None:
+    manager, store = gated_manager()
+    store.gate.clear()
+    load = manager.prefetch(PROMPT_A)          # stalls on the store
+    # a prompt the device lacks: admission asks the tiers, after waiting for their queued writes
+    num_hit, _ = run(manager, "c", [40 + t for t in range(9)])
+    stalled = store.num_stalls
+    store.gate.set()
+    assert num_hit == 0 and stalled == 0       # it waited for the writes, not for the load
+    assert load.wait(timeout_s=10) and load.status == "ready"
+
+
+def test_admitting_with_a_load_not_done_computes_the_prefix_and_counts_it_late() -> None:
+    manager, store = gated_manager()
+    store.gate.clear()
+    load = manager.prefetch(PROMPT_A)
+    num_free = manager.pool.num_free_blocks
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)   # returns at once: no wait
+    store.gate.set()
+    assert num_hit == 0 and load.status == "cancelled"
+    assert tiering_of(manager).num_prefetch_late == 1 and manager.metrics().num_tier_errors == 1
+    assert manager.pool.num_free_blocks == num_free - 4   # the sequence's own 4 blocks, nothing leaked
+    assert_same(outputs, recomputed(PROMPT_A, 0))
+    manager.check_invariants()
+
+
+def test_a_cancelled_prefetch_gives_no_blocks_and_is_counted() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A)
+    load.cancel()
+    assert load.status == "cancelled" and load.payloads() == []
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)
+    assert num_hit == 0 and tiering_of(manager).num_prefetch_cancelled == 1
+    assert manager.metrics().num_tier_errors == 0   # a cancel is the caller's choice, not an error
+    assert_same(outputs, recomputed(PROMPT_A, 0))
+    manager.check_invariants()
+
+
+def test_a_prefetch_that_raises_is_a_counted_error_and_the_prefix_is_computed() -> None:
+    manager, store = gated_manager()
+    store.broken = True
+    load = manager.prefetch(PROMPT_A)
+    assert load.wait(timeout_s=10) and load.status == "failed"
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)
+    assert num_hit == 0 and tiering_of(manager).num_prefetch_failed == 1
+    assert manager.metrics().num_tier_errors == 1
+    assert_same(outputs, recomputed(PROMPT_A, 0))
+    manager.check_invariants()
+
+
+def test_a_prefetch_of_another_prompt_is_stale_and_the_prompt_is_computed() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A)
+    assert load.wait(timeout_s=10)
+    num_hit, _ = run(manager, "a2", PROMPT_A[:1] + PROMPT_A[1:][::-1], prefetched=load)
+    assert num_hit == 0 and tiering_of(manager).num_prefetch_stale == 1
+    manager.check_invariants()
+
+
+def test_a_prefetch_overtaken_by_the_device_uses_only_the_blocks_past_the_new_device_hit() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A)            # fetches A's 3 blocks
+    assert load.wait(timeout_s=10)
+    run(manager, "a1", PROMPT_A[:9])             # meanwhile the device computes A's first 2 blocks
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load)
+    assert num_hit == 12
+    assert tiering_of(manager).num_prefetched_blocks == 1   # block 2 alone came from the load
+    assert_same(outputs, recomputed(PROMPT_A, 12))
+    manager.check_invariants()
+
+
+def test_a_prefetch_with_other_extra_keys_loads_nothing() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A, extra_keys={"salt": "tenant-2"})
+    assert load.wait(timeout_s=10) and load.payloads() == []
+    assert run(manager, "a2", PROMPT_A, prefetched=load)[0] == 0
+
+
+def test_a_prefetch_through_a_file_store_runs_on_the_worker_and_is_bit_identical(tmp_path: Path) -> None:
+    manager = tiered_manager(file_tiers(tmp_path))
+    evict_a(manager)
+    load = manager.prefetch(PROMPT_A)
+    num_hit, outputs = run(manager, "a2", PROMPT_A, prefetched=load if load.wait(timeout_s=10) else None)
+    assert num_hit == 12
+    assert_same(outputs, recomputed(PROMPT_A, 12))
+
+
+def test_bad_prefetched_arguments_are_refused_and_nothing_changes() -> None:
+    manager = tiered_manager(host_tiers)
+    evict_a(manager)
+    other = tiered_manager(host_tiers)
+    foreign = other.prefetch(PROMPT_A)
+    load = manager.prefetch(PROMPT_A)
+    before = (manager.pool.num_free_blocks, manager.seq_ids, manager.metrics())
+    with pytest.raises(InputTypeError, match="PendingLoad"):
+        manager.add_sequence("x", PROMPT_A, prefetched=object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not a load of this manager"):
+        manager.add_sequence("x", PROMPT_A, prefetched=foreign)
+    with pytest.raises(ConfigError, match="needs the prompt"):
+        manager.add_sequence("x", prefetched=load)
+    assert (manager.pool.num_free_blocks, manager.seq_ids, manager.metrics()) == before
+    assert load.status == "ready"   # untouched: still usable
+    plain = KVCacheManager(KVPool(8, **SHAPE), enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="prefetch loads from tiers"):
+        plain.prefetch(PROMPT_A)
+    with pytest.raises(ConfigError, match="not a load of this manager"):
+        plain.add_sequence("x", PROMPT_A, prefetched=load)
+    assert plain.seq_ids == [] and plain.pool.num_free_blocks == 8

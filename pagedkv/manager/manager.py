@@ -64,7 +64,7 @@ from pagedkv.prefix.keys import ExtraKeys, encode_extra_keys
 from pagedkv.prefix.stats import PrefixStats
 from pagedkv.tiers.hooks import DeviceTiering
 from pagedkv.tiers.tiered import TieredStore
-from pagedkv.tiers.worker import TierWorker
+from pagedkv.tiers.worker import PendingLoad, TierWorker
 
 __all__ = ["COUNTERS", "KVCacheManager", "ManagerState", "SequenceState"]
 
@@ -156,8 +156,10 @@ class KVCacheManager:
             them as cached (``metrics().num_tier_hits``). A load that fails is
             computed instead. Store writes run on a worker thread
             (``flush_tiers`` waits for them); loads run in ``add_sequence``,
-            bounded by each store's timeout. Needs prefix caching, full
-            attention (no window) and every pool layer (no KV-cache groups).
+            bounded by each store's timeout, or off the step on that thread
+            (``prefetch``, then ``add_sequence(..., prefetched=)``). Needs
+            prefix caching, full attention (no window) and every pool layer
+            (no KV-cache groups).
 
     Raises:
         ConfigError, InputTypeError: an argument has the wrong type or value.
@@ -323,6 +325,7 @@ class KVCacheManager:
         extra_keys: ExtraKeys | None = None,
         cache_blocks: bool = True,
         max_cached_tokens: int | None = None,
+        prefetched: PendingLoad | None = None,
     ) -> int:
         """Start a sequence; with prefix caching, share the cached blocks of its prompt.
 
@@ -344,6 +347,12 @@ class KVCacheManager:
                 blocks are never keyed (the prompt is still looked up).
             max_cached_tokens: share at most this many leading tokens from the
                 prefix cache (a hybrid manager's hit that every group accepts).
+            prefetched: with ``tiers``, what ``prefetch(prompt, ...)`` fetched:
+                the blocks past the device hit come from it alone (copied in
+                here; no store call, no wait). A load that failed, is not done
+                yet (it is cancelled), was cancelled, or fetched other keys
+                than this prompt needs gives none of them, counted: those
+                tokens are computed.
 
         Returns:
             How many leading prompt tokens are already cached (a multiple of
@@ -352,11 +361,15 @@ class KVCacheManager:
 
         Raises:
             DuplicateSequenceError: ``seq_id`` is already known.
-            InputTypeError, ConfigError: a bad id, token id or extra key.
+            InputTypeError, ConfigError: a bad id, token id or extra key; a
+                ``prefetched`` that is not this manager's ``prefetch``, or
+                without a prompt.
         """
         self._seqs.check_new(seq_id)
         if not isinstance(cache_blocks, bool):
             raise InputTypeError(f"cache_blocks must be True or False, got {cache_blocks!r}")
+        if prefetched is not None:
+            self._check_prefetched(prefetched, prompt)
         extras = encode_extra_keys(extra_keys)
         max_blocks = self._max_cached_blocks(max_cached_tokens)
         what = "prompt must be a sequence of token ids"
@@ -374,7 +387,7 @@ class KVCacheManager:
         num_hit = 0
         if sharing is not None and token_ids is not None:
             self._counters["prefix_queries"] += len(token_ids)
-            num_hit = sharing.admit(record, token_ids, tokens, max_blocks)
+            num_hit = sharing.admit(record, token_ids, tokens, max_blocks, prefetched)
             self._counters["prefix_hits"] += num_hit
         if not cache_blocks:
             record.stop_keying()
@@ -658,6 +671,40 @@ class KVCacheManager:
         if self.tiering is not None:
             self.tiering.flush()
 
+    def prefetch(
+        self,
+        prompt: Sequence[int],
+        *,
+        extra_keys: ExtraKeys | None = None,
+        max_cached_tokens: int | None = None,
+    ) -> PendingLoad:
+        """Start loading, off the step, the blocks of ``prompt`` past its device hit that the tiers hold.
+
+        The request waits for its KV while the engine steps: the fetch runs on
+        the tiers' worker thread (a host tier alone: here, a memcpy), takes no
+        device block and holds no lock while a store answers. Then
+        ``add_sequence(seq_id, prompt, extra_keys=..., prefetched=load)``
+        copies what it fetched into fresh blocks under the lock, never waiting::
+
+            load = manager.prefetch(prompt)          # starts the fetch
+            if load.wait(timeout_s=0.5):             # or poll load.done() each step
+                manager.add_sequence("r", prompt, prefetched=load)
+            load.cancel()                            # or give up: admission computes it
+
+        Raises:
+            ConfigError: the manager has no ``tiers``.
+            InputTypeError, ConfigError: a bad token id or extra key.
+        """
+        tiering, sharing = self.tiering, self._sharing
+        if tiering is None or sharing is None:
+            raise ConfigError("prefetch loads from tiers: pass tiers=TieredStore(...) to the manager")
+        extras = encode_extra_keys(extra_keys)
+        max_blocks = self._max_cached_blocks(max_cached_tokens)
+        token_ids, tokens = pack_token_ids(prompt, "prompt must be a sequence of token ids")
+        with self.pool.lock:
+            keys = sharing.tier_keys(tokens, len(token_ids), extras, max_blocks)
+        return tiering.prefetch(keys)   # NOTE: outside the lock: a host-only fetch copies here
+
     @locked
     def lookup(
         self,
@@ -724,13 +771,13 @@ class KVCacheManager:
     @locked
     def metrics(self) -> ManagerMetrics:
         """A snapshot of usage, occupancy, fragmentation and event counts."""
-        sharing, tiering = self._sharing, self.tiering
+        sharing = self._sharing
         counts = dict(
             self._counters,
             cached_blocks=sharing.cache.num_cached_blocks if sharing else 0,
             prefix_evictions=sharing.cache.num_evictions if sharing else 0,
             tier_hits=sharing.num_tier_hits if sharing else 0,
-            tier_errors=tiering.tiers.num_store_errors + tiering.tiers.num_refused if tiering else 0,
+            tier_errors=self._num_tier_errors(),
         )
         return collect_metrics(self.pool, self.host_pool, list(self._seqs.values()), counts)
 
@@ -795,6 +842,33 @@ class KVCacheManager:
         if max_cached_tokens is None:
             return None
         return check_count("max_cached_tokens", max_cached_tokens, minimum=0) // self.pool.block_size
+
+    def _num_tier_errors(self) -> int:
+        """Store calls that failed, values refused, and prefetches that raised or were late."""
+        tiering = self.tiering
+        if tiering is None:
+            return 0
+        tiers = tiering.tiers
+        num_prefetch_errors = tiering.num_prefetch_failed + tiering.num_prefetch_late
+        return tiers.num_store_errors + tiers.num_refused + num_prefetch_errors
+
+    def _check_prefetched(self, prefetched: object, prompt: Sequence[int] | None) -> None:
+        """Refuse a ``prefetched`` that is not a load this manager's ``prefetch`` started, or has no prompt.
+
+        Raises:
+            InputTypeError: not a PendingLoad.
+            ConfigError: no tiers, no prompt, or another manager's load.
+        """
+        if not isinstance(prefetched, PendingLoad):
+            raise InputTypeError(
+                f"prefetched must be a PendingLoad from prefetch, got {type(prefetched).__name__}"
+            )
+        if self.tiering is None or prefetched.owner is not self.tiering:
+            raise ConfigError(
+                "prefetched is not a load of this manager's tiers; pass what its prefetch returned"
+            )
+        if prompt is None:
+            raise ConfigError("prefetched needs the prompt it was started for; pass prompt=")
 
     def _prefix_sharing(self) -> PrefixSharing:
         if self._sharing is None:

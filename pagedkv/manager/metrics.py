@@ -81,8 +81,9 @@ class ManagerMetrics:
         num_tier_hits: prompt tokens loaded from the tiers below the pool
             (``KVCacheManager(tiers=...)``); also counted in ``num_prefix_hits``.
         num_tier_errors: tier store calls that failed (a server down or slow)
-            plus stored values refused (damaged, stale, another layout): each
-            meant recompute, never wrong KV.
+            plus stored values refused (damaged, stale, another layout) plus
+            prefetches that raised or were not done at admission: each meant
+            recompute, never wrong KV.
     """
 
     num_blocks: int

@@ -34,6 +34,7 @@ from pagedkv.prefix.events import KVEventBuffer
 from pagedkv.prefix.keys import ExtraKeys, decode_extra_keys, encode_extra_keys
 from pagedkv.prefix.stats import HitWindow
 from pagedkv.tiers.hooks import DeviceTiering
+from pagedkv.tiers.worker import PendingLoad
 
 __all__ = ["AdmissionPlan", "PrefixSharing", "plan_admission"]
 
@@ -119,6 +120,21 @@ class PrefixSharing:
             return []
         return self.tiering.extend_hit(keys[num_device_blocks:end])
 
+    def tier_keys(self, tokens: bytes, num_tokens: int, extras: bytes, max_blocks: int | None) -> list[bytes]:
+        """The keys of a prompt's blocks past its device hit (``KVCacheManager.prefetch``); changes nothing.
+
+        ``tokens`` is ``token_bytes`` of the ``num_tokens`` prompt tokens. No
+        tier is asked (no store call under the pool's lock): the prefetch
+        fetches the longest run of these that the tiers hold.
+        """
+        if self.tiering is None or self._window is not None:
+            return []
+        num_usable = max(0, (num_tokens - 1) // self._block_size)
+        keys = self.prompt_keys([], tokens, num_usable, extras)
+        end = len(keys) if max_blocks is None else min(len(keys), max_blocks)
+        num_blocks = self.find_hit(keys[:end])[0]
+        return keys[num_blocks:end]
+
     def reset(self, num_used_blocks: int) -> None:
         """Drop every key (``KVCacheManager.reset_prefix_cache``); refused while blocks are in use.
 
@@ -193,22 +209,35 @@ class PrefixSharing:
         return 0, sinks, []
 
     def admit(
-        self, record: SequenceRecord, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+        self,
+        record: SequenceRecord,
+        token_ids: list[int],
+        tokens: bytes,
+        max_blocks: int | None = None,
+        prefetched: PendingLoad | None = None,
     ) -> int:
         """Share the cached prefix of new ``record``'s prompt (``add_sequence``); return its cached tokens.
 
         The same as :meth:`share_cached_prefix`, and the request counts in ``stats``.
         """
-        num_hit = self.share_cached_prefix(record, token_ids, tokens, max_blocks)
+        num_hit = self.share_cached_prefix(record, token_ids, tokens, max_blocks, prefetched)
         self.stats.record(len(token_ids), num_hit)
         return num_hit
 
     def share_cached_prefix(
-        self, record: SequenceRecord, token_ids: list[int], tokens: bytes, max_blocks: int | None = None
+        self,
+        record: SequenceRecord,
+        token_ids: list[int],
+        tokens: bytes,
+        max_blocks: int | None = None,
+        prefetched: PendingLoad | None = None,
     ) -> int:
         """Share the cached blocks a prompt of ``token_ids`` starts from into ``record``; return its tokens.
 
         ``max_blocks`` caps the hit (the longest hit every KV-cache group accepts).
+        Past the device hit, the tiers' blocks come from ``prefetched`` when
+        given (only what it fetched, for exactly these keys: no store call
+        here), else from the tiers, synchronously.
 
         ``record`` must hold no blocks. ``tokens`` is ``token_bytes(token_ids)``.
         Keys ``record`` already has (``block_keys``, then ``prompt_keys``: a
@@ -234,7 +263,13 @@ class PrefixSharing:
         record.block_keys = keys[:num_blocks]
         record.prompt_keys = chain[num_blocks:]
         record.prompt_tokens = reference if record.prompt_keys else b""
-        num_tier_found = len(self.tier_run(keys, num_blocks, max_blocks))
+        payloads = None
+        if prefetched is not None and self.tiering is not None:
+            end = len(keys) if max_blocks is None else min(len(keys), max_blocks)
+            payloads = self.tiering.take(prefetched, keys[num_blocks:end])
+            num_tier_found = len(payloads)
+        else:
+            num_tier_found = len(self.tier_run(keys, num_blocks, max_blocks))
         if not num_blocks and not num_tier_found:
             return 0
         allocator = self._allocator
@@ -243,7 +278,7 @@ class PrefixSharing:
                 allocator.revive(block_id)
             else:
                 allocator.share([block_id])
-        loaded = self._load_from_tiers(keys[num_blocks : num_blocks + num_tier_found])
+        loaded = self._load_from_tiers(keys[num_blocks : num_blocks + num_tier_found], payloads)
         num_device_blocks, num_blocks = num_blocks, num_blocks + len(loaded)
         num_hit = num_blocks * bs
         if not num_hit:
@@ -261,18 +296,22 @@ class PrefixSharing:
             self.num_tier_hits += len(loaded) * bs
         return num_hit
 
-    def _load_from_tiers(self, keys: list[bytes]) -> list[int]:
+    def _load_from_tiers(self, keys: list[bytes], payloads: list[bytes] | None = None) -> list[int]:
         """Load the blocks of ``keys`` (a run the tiers hold) into fresh device blocks; their ids.
 
-        Takes only as many blocks as are free; blocks whose load failed (the
-        store went down, a value did not check) go back, and the caller
-        computes from the first of them on.
+        ``payloads``: the blocks' checked bytes, fetched already (a prefetch);
+        None fetches them now. Takes only as many blocks as are free; blocks
+        whose load failed (the store went down, a value did not check) go
+        back, and the caller computes from the first of them on.
         """
         tiering, allocator = self.tiering, self._allocator
         if tiering is None or not keys:
             return []
         block_ids = allocator.allocate(min(len(keys), allocator.num_free_blocks))
-        num_loaded = tiering.load(keys[: len(block_ids)], block_ids)
+        if payloads is None:
+            num_loaded = tiering.load(keys[: len(block_ids)], block_ids)
+        else:
+            num_loaded = tiering.load_payloads(payloads[: len(block_ids)], block_ids)
         allocator.free(block_ids[num_loaded:][::-1])
         return block_ids[:num_loaded]
 

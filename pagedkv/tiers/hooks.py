@@ -1,21 +1,24 @@
 """The narrow surface the manager calls: device blocks in and out of the tiers, by prefix key.
 
 vLLM: the scheduler side of a KV connector (``get_num_new_matched_tokens``,
-``update_state_after_alloc``) and the worker side's block copies. Four calls:
-``evicted`` (a keyed block is about to be reused), ``keyed`` (write-through),
-``extend_hit`` (how far past the device hit the tiers reach) and ``load``
-(their bytes into freshly allocated device blocks).
+``update_state_after_alloc``) and the worker side's block copies: ``evicted``
+(a keyed block is about to be reused), ``keyed`` (write-through),
+``extend_hit`` (how far past the device hit the tiers reach), ``load`` (their
+bytes into freshly allocated device blocks), and ``prefetch`` / ``take`` (the
+same load split in two: fetched off the step, copied in at admission).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from pagedkv.errors import ConfigError
 from pagedkv.memory.pool import KVPool
 from pagedkv.tiers.codec import load_block, read_block
 from pagedkv.tiers.tiered import TieredStore
-from pagedkv.tiers.worker import TierWorker
+from pagedkv.tiers.worker import PendingLoad, TierWorker
 
 __all__ = ["DeviceTiering"]
 
@@ -58,6 +61,16 @@ class DeviceTiering:
         self.pool = pool
         self.tiers = tiers
         self.worker = worker
+        #: Prefetches started; blocks admissions took from them; prefetches that
+        #: gave no blocks because they raised, were not done when admitted (late),
+        #: were cancelled, or fetched keys other than those the prompt needed (stale).
+        self.num_prefetches = 0  # counted under _lock: prefetch runs outside the pool's lock
+        self._lock = threading.Lock()
+        self.num_prefetched_blocks = 0
+        self.num_prefetch_failed = 0
+        self.num_prefetch_late = 0
+        self.num_prefetch_cancelled = 0
+        self.num_prefetch_stale = 0
 
     def evicted(self, block_id: int, prefix_key: bytes) -> None:
         """The prefix cache evicts keyed ``block_id``: offer its bytes (before anything overwrites them)."""
@@ -102,3 +115,54 @@ class DeviceTiering:
         for block_id, payload in zip(block_ids, payloads):
             load_block(self.pool, block_id, payload)
         return len(payloads)
+
+    def load_payloads(self, payloads: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Copy ``payloads`` (checked blocks a prefetch fetched) into ``block_ids`` (same order); how many."""
+        for block_id, payload in zip(block_ids, payloads):
+            load_block(self.pool, block_id, payload)
+        return min(len(block_ids), len(payloads))
+
+    # ---------------------------------------------------------------- off the step
+
+    def prefetch(self, prefix_keys: Sequence[bytes]) -> PendingLoad:
+        """Start fetching the longest run of ``prefix_keys`` the tiers hold; the caller holds no lock.
+
+        On the worker thread when there is one (after the writes queued before
+        it, so a block just offered is found); a host tier alone is a memcpy,
+        done here at once. Takes no device block.
+        """
+        keys = list(prefix_keys)
+        with self._lock:
+            self.num_prefetches += 1
+        if self.worker is not None and keys:
+            return self.worker.load(keys, owner=self)
+        future: Future[list[bytes]] = Future()
+        try:
+            future.set_result(self.tiers.fetch(keys) if keys else [])
+        except Exception as error:  # NOTE: any failure of a tier means recompute, never a crash
+            future.set_exception(error)
+        return PendingLoad(future, keys, owner=self)
+
+    def take(self, pending: PendingLoad, prefix_keys: Sequence[bytes]) -> list[bytes]:
+        """The payloads ``pending`` fetched for the leading run of ``prefix_keys``; never waits.
+
+        A load that failed, is not done (it is cancelled: the prompt computes
+        those tokens now), was cancelled, or fetched none of the first key
+        gives ``[]``, and is counted by why. Call under the pool's lock.
+        """
+        status = pending.status
+        if status == "pending":
+            pending.cancel()
+            self.num_prefetch_late += 1
+            return []
+        if status == "cancelled":
+            self.num_prefetch_cancelled += 1
+            return []
+        if status == "failed":
+            self.num_prefetch_failed += 1
+            return []
+        payloads = pending.take(prefix_keys)
+        if prefix_keys and not payloads and pending.take(pending.keys):
+            self.num_prefetch_stale += 1
+        self.num_prefetched_blocks += len(payloads)
+        return payloads
