@@ -23,7 +23,7 @@ from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.cache import check_hash_algorithm
 from pagedkv.prefix.events import DEFAULT_MAX_EVENTS
 
-__all__ = ["ManagerConfig", "configure"]
+__all__ = ["ManagerArguments", "ManagerConfig", "configure"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,20 +58,23 @@ class ManagerConfig:
     num_layers: int = 1
 
 
-def configure(
-    pool: KVPool,
-    *,
-    max_size: int | None,
-    layer_max_sizes: Sequence[int | None] | None,
-    num_sink_tokens: int,
-    num_q_heads: int | None,
-    scale: float,
-    enable_prefix_caching: bool,
-    hash_algorithm: str,
-    trusted_inputs: bool = False,
-    kv_events: bool | int = False,
-    num_layers: int | None = None,
-) -> ManagerConfig:
+@dataclass(frozen=True, slots=True)
+class ManagerArguments:
+    """A manager's arguments as given (``KVCacheManager``'s keywords and defaults), for ``configure``."""
+
+    max_size: int | None = None
+    layer_max_sizes: Sequence[int | None] | None = None
+    num_sink_tokens: int = 0
+    num_q_heads: int | None = None
+    scale: float = 1.0
+    enable_prefix_caching: bool = False
+    hash_algorithm: str = "sha256"
+    trusted_inputs: bool = False
+    kv_events: bool | int = False
+    num_layers: int | None = None
+
+
+def configure(pool: KVPool, arguments: ManagerArguments) -> ManagerConfig:
     """Validate a manager's arguments against ``pool``; return the configuration.
 
     Raises:
@@ -79,6 +82,10 @@ def configure(
         ConfigError: a value is out of range or disagrees with the pool.
         ImportError: ``hash_algorithm="xxh3_128"`` without the ``xxhash`` extra.
     """
+    max_size, layer_max_sizes = arguments.max_size, arguments.layer_max_sizes
+    num_layers = arguments.num_layers
+    num_q_heads, kv_events = arguments.num_q_heads, arguments.kv_events
+    enable_prefix_caching, trusted_inputs = arguments.enable_prefix_caching, arguments.trusted_inputs
     if not isinstance(pool, KVPool):
         raise InputTypeError(f"pool must be a KVPool, got {type(pool).__name__}")
     if pool.growable:
@@ -110,7 +117,7 @@ def configure(
         raise ConfigError(f"num_q_heads={q_heads} is not a multiple of num_kv_heads={pool.num_kv_heads}")
     if not isinstance(enable_prefix_caching, bool):
         raise InputTypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-    check_hash_algorithm(hash_algorithm)  # even with prefix caching off: snapshots save it
+    check_hash_algorithm(arguments.hash_algorithm)  # even with prefix caching off: snapshots save it
     if not isinstance(trusted_inputs, bool):
         raise InputTypeError(f"trusted_inputs must be True or False, got {trusted_inputs!r}")
     if kv_events is True:
@@ -124,11 +131,11 @@ def configure(
     return ManagerConfig(
         layer_max_sizes=tuple(windows),
         window=None if any(w is None for w in windows) else max(w for w in windows if w is not None),
-        num_sink_tokens=check_count("num_sink_tokens", num_sink_tokens, minimum=0),
+        num_sink_tokens=check_count("num_sink_tokens", arguments.num_sink_tokens, minimum=0),
         num_q_heads=q_heads,
-        scale=check_scale(scale),
+        scale=check_scale(arguments.scale),
         enable_prefix_caching=enable_prefix_caching,
-        hash_algorithm=hash_algorithm,
+        hash_algorithm=arguments.hash_algorithm,
         trusted_inputs=trusted_inputs,
         kv_events=max_events,
         num_layers=num_layers,

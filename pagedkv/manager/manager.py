@@ -34,7 +34,7 @@ from pagedkv.inputs import (
     torch_array,
 )
 from pagedkv.locking import locked, run_or_defer
-from pagedkv.manager.config import ManagerConfig, configure
+from pagedkv.manager.config import ManagerArguments, ManagerConfig, configure
 from pagedkv.manager.metrics import COUNTERS, ManagerMetrics, collect_metrics
 from pagedkv.manager.preempt import check_host_pool, preempt_record, release_record, resume_record
 from pagedkv.manager.prefix_sharing import AdmissionPlan, PrefixSharing, plan_admission
@@ -183,19 +183,11 @@ class KVCacheManager:
         share_pool_with: KVCacheManager | None = None,
         tiers: TieredStore | None = None,
     ) -> None:
-        config = configure(
-            pool,
-            max_size=max_size,
-            layer_max_sizes=layer_max_sizes,
-            num_sink_tokens=num_sink_tokens,
-            num_q_heads=num_q_heads,
-            scale=scale,
-            enable_prefix_caching=enable_prefix_caching,
-            hash_algorithm=hash_algorithm,
-            trusted_inputs=trusted_inputs,
-            kv_events=kv_events,
-            num_layers=num_layers,
+        arguments = ManagerArguments(
+            max_size, layer_max_sizes, num_sink_tokens, num_q_heads, scale, enable_prefix_caching,
+            hash_algorithm, trusted_inputs, kv_events, num_layers,
         )
+        config = configure(pool, arguments)
         tiering = None if tiers is None else _tiering(pool, config, tiers, share_pool_with)
         self.host_pool = None if host_pool is None else check_host_pool(pool, host_pool)
         self.pool = pool
