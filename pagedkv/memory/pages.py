@@ -299,16 +299,12 @@ def _take(keys: Array, values: Array, rows: npt.NDArray[np.intp], scratch: Scrat
 #     store (blocks 7, 3; block_size 2):   blk 7: t0 t1 | blk 3: t2 t3
 #     run_tokens / take_tokens:            (H, 4 tokens, d), codes as stored
 
-def run_tokens(
-    store: npt.NDArray[Any],
-    scales: npt.NDArray[np.floating] | None,
-    storage: StorageFormat | None,
-    first_id: int,
-    num_blocks: int,
-    lo: int,
-    hi: int,
-) -> Tokens:
-    """Tokens ``lo .. hi - 1`` of the ``num_blocks`` blocks from ``first_id`` on (views)."""
+def run_tokens(side: _Side, first_id: int, num_blocks: int, lo: int, hi: int) -> Tokens:
+    """Tokens ``lo .. hi - 1`` of the ``num_blocks`` blocks from ``first_id`` on (views).
+
+    ``side`` is one side's ``(pages, scales, storage format)``.
+    """
+    store, scales, storage = side
     _, block_size, heads, head_dim = store.shape
     run = store[first_id : first_id + num_blocks]
     codes: npt.NDArray[Any] = run.reshape(num_blocks * block_size, heads, head_dim)[lo:hi].transpose(1, 0, 2)
@@ -663,8 +659,8 @@ class PageStore:
             first, num = plan.block_ids[0], len(plan.block_ids)
             lo, hi = plan.offset, plan.offset + plan.num_tokens
             return (
-                run_tokens(*key_side, first, num, lo, hi),
-                run_tokens(*value_side, first, num, lo, hi),
+                run_tokens(key_side, first, num, lo, hi),
+                run_tokens(value_side, first, num, lo, hi),
             )
         slots = plan.slot_array(self.block_size)
         return take_tokens(*key_side, slots), take_tokens(*value_side, slots)
