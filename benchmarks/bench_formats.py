@@ -11,7 +11,7 @@ against a one-thread numpy gemv over a cold 64 MiB float32 matrix taking turns w
 ("of gemv"). A format a pool cannot map shows "gathers" in its views row. Outputs are checked
 bit for bit between views and gather. Nothing is asserted about time.
 
-Run: ``python benchmarks/bench_formats.py [--quick] [--save]`` (``--save`` writes
+Run: ``python benchmarks/bench_formats.py [--quick] [--save] [--kernel numba]`` (``--save`` writes
 ``benchmarks/results/formats.json``).
 """
 
@@ -30,7 +30,7 @@ from common import CLOCKS, Flusher, footer, format_us, header, now, table, use_c
 from threadpoolctl import threadpool_limits
 
 from pagedkv import KVPool
-from pagedkv.attention import attend_sequence
+from pagedkv.attention import attend_sequence, set_kernel
 from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import ConfigError
 
@@ -98,7 +98,10 @@ def main() -> None:
                         help="wall clock, or this thread's CPU time (leaves out time descheduled)")
     parser.add_argument("--lengths", type=int, nargs="+", help="token counts (default 1k 8k 16k)")
     parser.add_argument("--formats", nargs="+", help="storage formats besides float32 (default all)")
+    parser.add_argument("--kernel", choices=("numpy", "numba"), default="numpy",
+                        help="the quantized decode kernel (numba: the jit extra; float32 pages stay numpy)")
     args = parser.parse_args()
+    set_kernel(args.kernel)
     clock = use_clock(args.clock)
     lengths = args.lengths or ((1024, 8192) if args.quick else (1024, 8192, 16384))
     formats = (None, *args.formats) if args.formats else FORMATS
@@ -106,7 +109,7 @@ def main() -> None:
     print(header("Storage formats: decode and prefill over fragmented shared pools",
                  [f"H={H} kv heads (= query heads), head_dim {D}, block_size {BS}, float32 compute, "
                   f"prefill chunk {PREFILL}, two interleaved tables, cache-cold, medians of {repeats}",
-                  f"clock: {clock}"]))
+                  f"clock: {clock}, quantized decode kernel: {args.kernel}"]))
     flush = Flusher()
     rng = np.random.default_rng(2)
     query = rng.standard_normal((1, H, D), dtype=np.float32)

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.counts import ChunkedWindow
+from pagedkv.errors import ConfigError
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 
@@ -33,6 +34,8 @@ __all__ = [
     "attend_dense_masked",
     "attend_padded",
     "attend_sequence",
+    "kernel",
+    "set_kernel",
     "softmax_rows",
     "visible_ranges",
 ]
@@ -391,6 +394,80 @@ def _scores(
     return scores
 
 
+#: The kernels a quantized decode can run: numpy's chunked matmuls, or the compiled one (``jit`` extra).
+KERNELS = ("numpy", "numba")
+
+_SELECTED = {"kernel": "numpy"}
+
+
+def kernel() -> str:
+    """The kernel :func:`attend_chunked` runs for quantized pages (``set_kernel``).
+
+    >>> kernel()
+    'numpy'
+    """
+    return _SELECTED["kernel"]
+
+
+def set_kernel(name: str) -> str:
+    """Choose the quantized decode kernel for this process, paged reads and the recompute alike; the old one.
+
+    NOTE: a process-wide setting, not a pool option: the no-cache recompute
+    (:mod:`pagedkv.reference`) has no pool, and it must run the same kernel
+    as the cache to equal it bit for bit. The two kernels round differently
+    from each other; each equals its own recompute.
+
+    Args:
+        name: ``"numpy"`` (the default) or ``"numba"`` (needs the ``jit`` extra).
+
+    Raises:
+        ConfigError: an unknown name (nothing changes).
+        ImportError: ``"numba"`` without numba installed (nothing changes).
+    """
+    if name not in KERNELS:
+        raise ConfigError(f"kernel must be one of {KERNELS}, got {name!r}")
+    if name == "numba":
+        from pagedkv.kernels import jit
+
+        jit.compile_kernels()
+    previous = _SELECTED["kernel"]
+    _SELECTED["kernel"] = name
+    return previous
+
+
+def _attend_compiled(
+    query: npt.NDArray[np.floating], keys: Tokens, values: Tokens, scale: float, dtype: np.dtype[Any]
+) -> npt.NDArray[np.floating] | None:
+    """The compiled kernel's decode, or None where it does not apply (numpy's path then runs).
+
+    It applies to float32 compute over quantized keys and values read by the
+    same slots (or both dense): conditions on types and shapes only, so a
+    paged read and its recompute always take the same path.
+    """
+    if _SELECTED["kernel"] != "numba" or dtype != np.float32:
+        return None
+    if not (isinstance(keys, QuantizedTokens) and isinstance(values, QuantizedTokens)):
+        return None
+    if (keys.slots is None) != (values.slots is None):
+        return None
+    if keys.slots is not None and values.slots is not None and not np.array_equal(keys.slots, values.slots):
+        return None
+    from pagedkv.kernels import jit
+
+    num_kv_heads, num_tokens, head_dim = keys.shape
+    slots = keys.slots if keys.slots is not None else np.arange(num_tokens)
+    grouped = query.reshape(num_kv_heads, -1, head_dim)
+    key_side, value_side = (
+        (side.storage.name, side.codes.transpose(1, 0, 2),
+         None if side.scales is None else side.scales.transpose(1, 0, 2))
+        for side in (keys, values)
+    )
+    weights = softmax_rows(jit.scores(grouped, key_side, slots), scale)  # (num_kv_heads, group, num_tokens)
+    out = jit.weighted_values(weights, value_side, slots, head_dim)
+    result: npt.NDArray[np.floating] = out.reshape(query.shape)
+    return result
+
+
 def attend_chunked(
     query: npt.NDArray[np.floating],
     keys: Tokens,
@@ -414,6 +491,9 @@ def attend_chunked(
     Returns:
         A new ``(num_q_heads, head_dim)`` array.
     """
+    compiled = _attend_compiled(query, keys, values, scale, dtype)
+    if compiled is not None:  # set_kernel("numba")
+        return compiled
     num_kv_heads, _, head_dim = keys.shape
     grouped = query.reshape(num_kv_heads, -1, head_dim)
     scores = _scores(grouped, keys, dtype)  # (num_kv_heads, group, num_tokens)

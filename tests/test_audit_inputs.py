@@ -297,6 +297,6 @@ def test_can_reserve_of_nothing_answers_true_and_changes_nothing() -> None:
     plan = manager.plan({})
     assert plan.fits and plan.num_new_blocks == 0
     assert manager_state(manager) == before
-    # The command agrees: an empty step, nothing changed (see tests/test_empty_step.py).
+    # The command agrees: an empty step, nothing changed (see tests/manager/test_empty_step.py).
     assert manager.reserve({}).num_seqs == 0
     assert manager_state(manager) == before

@@ -28,7 +28,9 @@ TOOLS = (
 LAYERS: dict[str, tuple[str, ...]] = {
     "pagedkv.blocks": (),
     "pagedkv.memory": ("pagedkv.blocks",),
-    "pagedkv.attention": ("pagedkv.blocks", "pagedkv.memory"),
+    # Compiled kernels (the ``jit`` extra): arrays in, arrays out, nothing of pagedkv.
+    "pagedkv.kernels": (),
+    "pagedkv.attention": ("pagedkv.blocks", "pagedkv.memory", "pagedkv.kernels"),
     "pagedkv.locking": ("pagedkv.blocks", "pagedkv.memory"),
     "pagedkv.reference": ("pagedkv.blocks", "pagedkv.memory", "pagedkv.attention"),
     "pagedkv.cache": (

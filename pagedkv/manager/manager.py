@@ -882,7 +882,7 @@ class KVCacheManager:
         once, in the order that finds the common case fastest; anything unusual
         falls through to the general path, which raises what is wrong. The
         token's row is copied by its slot. Each branch is tested against the
-        other (tests/test_speed_write.py).
+        other (tests/manager/test_speed_write.py).
         """
         pool = self.pool
         records = self._seqs

@@ -791,7 +791,7 @@ def reserve_one(
     shared or keyed, partly filled last block means copy-on-write, which the general
     path does". An engine makes this call for every sequence every step, and
     two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
-    of it. tests/test_manager_speed_paths.py feeds the same calls to this
+    of it. tests/manager/test_manager_speed_paths.py feeds the same calls to this
     path and the general one and compares every state, batch and error, and
     runs the state machines with this path off. Its batch carries the
     token's slot (``Batch.for_token``), so each layer's

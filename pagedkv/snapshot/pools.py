@@ -33,7 +33,7 @@ __all__ = ["BYTES_PER_BLOCK", "PoolPlan", "SavedAllocator", "check_keys", "check
 #: ``_restore_state`` keeps, and the sets ``check_invariants`` builds). Measured
 #: with tracemalloc (CPython 3.11, 40 k to 6 M free blocks): 104 to 136 bytes a
 #: block, depending on where CPython's set resizing falls; the test
-#: ``tests/test_snapshot_hostile.py`` fails should a load ever peak above it.
+#: ``tests/snapshot/test_snapshot_hostile.py`` fails should a load ever peak above it.
 BYTES_PER_BLOCK = 160
 
 

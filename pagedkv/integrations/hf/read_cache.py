@@ -73,7 +73,7 @@ class LayerBuffer:
           (a bfloat16 tensor's as its int16 bits: numpy has no bfloat16).
 
     Filled from the pool (``fill``, arrays or tensors), then fed each step's
-    new columns (``append``, tensors); see ``tests/test_integration_transformers.py``.
+    new columns (``append``, tensors); see ``tests/integrations/test_integration_transformers.py``.
 
     >>> buffer = LayerBuffer()
     >>> buffer.is_empty, buffer.start, buffer.end  # nothing held until filled

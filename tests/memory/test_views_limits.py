@@ -188,7 +188,7 @@ CRASH = textwrap.dedent("""
 @pytest.mark.parametrize("mode", ["views", "gather"])
 def test_reading_a_block_id_past_the_pool_end_is_a_typed_error_not_a_crash(mode: str) -> None:
     # In a child process: before the fix the views pool mapped past the file's end and died of SIGBUS.
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", CRASH.format(mode=mode)], capture_output=True, text=True,
                           cwd=root, timeout=60, check=False)
     assert done.returncode == 0, f"the read killed the process: rc {done.returncode}\n{done.stderr}"

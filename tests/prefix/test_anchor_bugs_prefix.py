@@ -2,7 +2,7 @@
 
 Each test rebuilds the shape of the original report against ``KVCacheManager``
 with prefix caching on and asserts pagedkv's rule. block_size 2 unless a test
-says otherwise; states are drawn as in ``tests/test_prefix_cache.py``::
+says otherwise; states are drawn as in ``tests/prefix/test_prefix_cache.py``::
 
     b0 |1 2|  block id 0 holding tokens 1 and 2      cached free [1, 0]: evicted 1 first
 """

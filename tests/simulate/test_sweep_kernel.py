@@ -21,7 +21,7 @@ from pagedkv.simulate.kernel import (
 )
 from pagedkv.simulate.sweep_kernel import format_kernel_side, kernel_rows, sweep_as_dicts
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGED = REPO / "pagedkv" / "simulate" / "data" / "kernel_block_size.json"
 MEASURED = REPO / "benchmarks" / "results" / "kernel_block_size.json"
 GOOD: dict[str, Any] = {

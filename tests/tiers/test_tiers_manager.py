@@ -287,8 +287,8 @@ def test_tiers_of_another_layout_are_refused() -> None:
 # ---------------------------------------------------------------- two processes over Redis
 
 SCRIPT = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, sys.argv[3])
+    import os, sys
+    sys.path[:0] = [sys.argv[3], os.path.dirname(sys.argv[3])]  # this file's folder, and tests/ (support)
     import numpy as np
     from test_tiers_manager import recomputed, run
     from pagedkv import KVCacheManager, KVPool

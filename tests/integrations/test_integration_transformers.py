@@ -66,7 +66,7 @@ def build_model(kind: str, dtype: Any = torch.float32) -> Any:
     if kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=8, **common))
     elif kind == "hybrid":  # Qwen2 with two sliding layers (window 8) to one full: KV-cache groups
-        # (a tiny random Gemma 3 repeats one token; the real one is in tests/test_real_models.py)
+        # (a tiny random Gemma 3 repeats one token; the real one is in tests/integrations/test_real_models.py)
         types = (["sliding_attention"] * 2 + ["full_attention"]) * 2
         config = transformers.Qwen2Config(
             **{**common, "num_hidden_layers": 6}, use_sliding_window=True, sliding_window=8, layer_types=types

@@ -23,7 +23,7 @@ from pagedkv.testing.buggy import EvictsAfterScoring, KeepsTokensOnClass, SeedCa
 from pagedkv.testing.program import replay_alone
 from pagedkv.testing.stateful import DEPENDS_ON_EARLIER_RUNS
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 
 # A newcomer's solution of the seed exercise (/work/shared/seed): dot, softmax,
 # append, evict the oldest past max_size, then score; vectors as plain lists.

@@ -1,0 +1,374 @@
+"""The numba-compiled loops behind :mod:`pagedkv.kernels.jit` (imported only by its ``compile_kernels``).
+
+Each token's page row is read once, in logical order: widened inside the dot products and the
+weighted sum (bit tricks and F16C for the 16-bit formats, explicit ``<32 x float>`` LLVM vectors
+with the scales folded in for int8 and fp8). Module level so numba caches the machine code on
+disk (it cannot cache closures); imports numba and llvmlite, the ``jit`` extra. Reduction
+order: :data:`pagedkv.kernels.jit.REDUCTION`. Measurements: docs/quantization.md.
+"""
+
+# NOTE: numba's @intrinsic hides the typing-context argument from callers and
+# numba.core.cgutils is untyped; mypy cannot see either.
+# mypy: disable-error-code="call-arg, no-untyped-call"
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from numba.core import cgutils  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+__all__ = ["PREFETCH_TOKENS", "scores_into", "weighted_values_into"]
+
+#: How many tokens ahead the int8 and fp8 loops prefetch each page row (a hint to the CPU).
+PREFETCH_TOKENS = 8
+
+types = numba.types
+
+#: Values in one explicit vector: the int8 and fp8 group size (``GROUP_SIZE`` of the storage formats).
+GROUP = 32
+
+
+@intrinsic  # type: ignore[misc, unused-ignore]
+def float32_from_bits(typingctx: Any, bits: Any) -> Any:
+    """The float32 whose bits are the uint32 ``bits`` (a bitcast: no memory round trip)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic  # type: ignore[misc, unused-ignore]
+def float32_from_float16_bits(typingctx: Any, bits: Any) -> Any:
+    """The float16 whose bits are the int16 ``bits``, widened exactly (F16C's vcvtph2ps on x86)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+def widen_group(builder: Any, fmt: int, codes: Any) -> Any:
+    """A ``<32 x i8>`` of codes as exact ``<32 x float>``: int8 values, fp8 e4m3 values / 256.
+
+    fp8 goes through float16 bits (F16C's vcvtph2ps), the exponent bias
+    15 against 7 leaving a factor 2^-8 that the caller folds into the scale::
+
+        e4m3 s eeee mmm   as int16, << 7, & 0xBF80   -> s 0eeee mmm0000000 (float16)
+    """
+    if fmt == 0:
+        return builder.sitofp(codes, FLOATS)
+    wide = builder.sext(codes, ir.VectorType(ir.IntType(16), GROUP))
+    bits = builder.and_(builder.shl(wide, splat(ir.IntType(16), 7)), splat(ir.IntType(16), 0xBF80))
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), GROUP)), FLOATS)
+
+
+def group_scale(builder: Any, fmt: int, scale: Any) -> Any:
+    """A group's scale, times 256 for fp8 (exact: a power of two, and below the float32 limit)."""
+    if fmt == 0:
+        return scale
+    return builder.fmul(scale, ir.Constant(ir.FloatType(), 256.0))
+
+
+def contracted(instruction: Any) -> Any:
+    """``instruction`` allowed to fuse with its neighbour into one FMA (fixed when compiled)."""
+    instruction.flags.append("contract")
+    return instruction
+
+
+def splat(kind: Any, value: Any) -> Any:
+    """A ``<32 x kind>`` constant of ``value``."""
+    return ir.Constant(ir.VectorType(kind, GROUP), [value] * GROUP)
+
+
+def broadcast(builder: Any, scalar: Any) -> Any:
+    """A ``<32 x float>`` of the float ``scalar``."""
+    undefined = ir.Constant(FLOATS, ir.Undefined)
+    first = builder.insert_element(undefined, scalar, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), GROUP), [0] * GROUP)
+    return builder.shuffle_vector(first, undefined, zeros)
+
+
+def group_pointer(context: Any, builder: Any, array_type: Any, array: Any, start: Any, kind: Any) -> Any:
+    """A ``<32 x kind>*`` to element ``start`` of ``array`` (C-contiguous; loads are unaligned)."""
+    data = context.make_array(array_type)(context, builder, value=array).data
+    return builder.bitcast(builder.gep(data, [start]), ir.VectorType(kind, GROUP).as_pointer())
+
+
+def scaled_dot_intrinsic(fmt: int) -> Any:
+    """The int8 (``fmt`` 0) or fp8 (1) scaled dot product, an intrinsic numba inlines."""
+
+    @intrinsic  # type: ignore[misc, unused-ignore]
+    def scaled_dot(typingctx: Any, queries: Any, query_start: Any, codes: Any, code_start: Any,
+                   scales: Any, scale_start: Any, num_groups: Any) -> Any:
+        """``sum_g scale_g * (q_g . code_g)`` over groups of 32, in explicit ``<32 x float>`` lanes.
+
+        Lane ``l`` sums ``scale_g * q[32 g + l] * code[32 g + l]`` over the
+        groups in order, then the 32 lanes are added by a fixed tree of
+        halves: the order is written here, not chosen by LLVM or the CPU.
+        """
+        # NOTE: the IR reads float32 queries and scales and 1-byte codes; the
+        # 2-byte specialization of scores_into types this call too (never run).
+        if queries.dtype != types.float32 or scales.dtype != types.float32:
+            return None  # a typing error
+        signature = types.float32(queries, types.intp, codes, types.intp, scales, types.intp, types.intp)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            query_array, query_start, code_array, code_start, scale_array, scale_start, count = args
+            scale_data = context.make_array(sig.args[4])(context, builder, value=scale_array).data
+            total = cgutils.alloca_once_value(builder, ir.Constant(FLOATS, [0.0] * GROUP))
+            with cgutils.for_range(builder, count) as loop:
+                offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
+                query = builder.load(group_pointer(context, builder, sig.args[0], query_array,
+                                                   builder.add(query_start, offset), ir.FloatType()), align=4)
+                code = builder.load(group_pointer(context, builder, sig.args[2], code_array,
+                                                  builder.add(code_start, offset), ir.IntType(8)), align=1)
+                scale = group_scale(builder, fmt, builder.load(
+                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
+                widened = contracted(builder.fmul(query, widen_group(builder, fmt, code)))
+                product = contracted(builder.fmul(widened, broadcast(builder, scale)))
+                builder.store(contracted(builder.fadd(builder.load(total), product)), total)
+            lanes = builder.load(total)
+            width = GROUP
+            while width > 1:  # halves: lanes l and l + width / 2
+                width //= 2
+                low = builder.shuffle_vector(lanes, lanes, ir.Constant(
+                    ir.VectorType(ir.IntType(32), width), list(range(width))))
+                high = builder.shuffle_vector(lanes, lanes, ir.Constant(
+                    ir.VectorType(ir.IntType(32), width), list(range(width, 2 * width))))
+                lanes = builder.fadd(low, high)
+            return builder.extract_element(lanes, ir.Constant(ir.IntType(32), 0))
+
+        return signature, codegen
+    return scaled_dot
+
+
+def scaled_axpy_intrinsic(fmt: int) -> Any:
+    """The int8 (``fmt`` 0) or fp8 (1) scaled accumulate, an intrinsic numba inlines."""
+
+    @intrinsic  # type: ignore[misc, unused-ignore]
+    def scaled_axpy(typingctx: Any, out: Any, out_start: Any, weight: Any, codes: Any, code_start: Any,
+                    scales: Any, scale_start: Any, num_groups: Any) -> Any:
+        """``out[32 g + l] += (weight * scale_g) * code[32 g + l]`` over groups of 32 (elementwise)."""
+        if out.dtype != types.float32 or scales.dtype != types.float32:
+            return None  # a typing error: the IR writes float32 and reads float32 scales
+        signature = types.none(out, types.intp, types.float32, codes, types.intp, scales, types.intp,
+                               types.intp)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            out_array, out_start, weight, code_array, code_start, scale_array, scale_start, count = args
+            scale_data = context.make_array(sig.args[5])(context, builder, value=scale_array).data
+            with cgutils.for_range(builder, count) as loop:
+                offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
+                target = group_pointer(context, builder, sig.args[0], out_array,
+                                       builder.add(out_start, offset), ir.FloatType())
+                code = builder.load(group_pointer(context, builder, sig.args[3], code_array,
+                                                  builder.add(code_start, offset), ir.IntType(8)), align=1)
+                scale = group_scale(builder, fmt, builder.load(
+                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
+                coefficient = broadcast(builder, builder.fmul(weight, scale))
+                added = contracted(builder.fadd(builder.load(target, align=4), contracted(
+                    builder.fmul(coefficient, widen_group(builder, fmt, code)))))
+                builder.store(added, target, align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return scaled_axpy
+
+
+@intrinsic  # type: ignore[misc, unused-ignore]
+def prefetch(typingctx: Any, array: Any, byte_offset: Any) -> Any:
+    """Ask the CPU to bring the cache line ``byte_offset`` bytes into ``array``'s data closer (a hint)."""
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        address = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
+        integer = ir.IntType(32)
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [address.type, integer, integer, integer]), "llvm.prefetch.p0")
+        builder.call(function, [address, ir.Constant(integer, 0), ir.Constant(integer, 3),
+                                ir.Constant(integer, 1)])
+        return context.get_dummy_value()
+    return types.none(array, types.intp), codegen
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def prefetch_row(codes: Any, scales: Any, slots: Any, token: int) -> None:
+    """Prefetch token ``token``'s codes and scales, ``PREFETCH_TOKENS`` ahead of their use."""
+    if token < slots.shape[0]:
+        slot = slots[token]
+        row_size = codes.shape[1] * codes.shape[2] * codes.itemsize
+        for line in range(0, row_size, 64):
+            prefetch(codes, slot * row_size + line)
+        scale_size = scales.shape[1] * 4
+        for line in range(0, scale_size, 64):
+            prefetch(scales, slot * scale_size + line)
+
+
+FLOATS = ir.VectorType(ir.FloatType(), GROUP)
+dot_int8, dot_float8 = scaled_dot_intrinsic(0), scaled_dot_intrinsic(1)
+axpy_int8, axpy_float8 = scaled_axpy_intrinsic(0), scaled_axpy_intrinsic(1)
+
+
+# NOTE: no fastmath: it would let LLVM reorder the sums; error_model="numpy"
+# drops the division-by-zero checks from the loops.
+jit = numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+reassociating = numba.njit(cache=True, nogil=True, error_model="numpy", boundscheck=False,
+                           fastmath={"reassoc", "contract"})
+
+
+# NOTE: every inner index below is a range() variable from 0: numba then
+# drops its negative-index wraparound, which otherwise turns each
+# contiguous load into a gather (measured: 5 ms against 1 ms per 8k keys).
+# widen_row is inlined by numba (no call, no reference counts per row).
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def widen_row(fmt: int, codes: Any, scales: Any, slot: int, out: Any) -> None:
+    """Slot ``slot``'s codes into ``out`` ``(H * G, group_size)`` as ``code * scale`` (exact, one rounding).
+
+    ``codes`` is ``(num_slots, H * G, group_size)`` and ``scales``
+    ``(num_slots, H * G)`` (G = 1 and no scales for a scale-free format).
+    Each format's inner loop runs over contiguous codes with nothing else
+    in it, so LLVM vectorizes it; the bit tricks are ``StorageFormat.widen_into``'s.
+    """
+    num_groups, group_size = out.shape
+    if fmt == 3:  # bfloat16: the top half of a float32
+        for group in range(num_groups):
+            for j in range(group_size):
+                code = np.uint32(np.uint16(codes[slot, group, j]))
+                out[group, j] = float32_from_bits(code << np.uint32(16))
+    elif fmt == 2:  # float16: the hardware conversion (exact)
+        for group in range(num_groups):
+            for j in range(group_size):
+                out[group, j] = float32_from_float16_bits(codes[slot, group, j])
+    elif fmt == 0:  # int8: the cast is exact; times the group's scale
+        for group in range(num_groups):
+            group_scale = scales[slot, group]
+            for j in range(group_size):
+                out[group, j] = np.float32(codes[slot, group, j]) * group_scale
+    else:  # fp8 e4m3: sign-extended, << 20, sign and exponent masked, rebiased by 2^120
+        for group in range(num_groups):
+            group_scale = scales[slot, group]
+            for j in range(group_size):
+                bits = np.uint32((np.int32(codes[slot, group, j]) << 20) & 0x87FFFFFF)
+                out[group, j] = (float32_from_bits(bits) * np.float32(2.0**120)) * group_scale
+
+
+@reassociating  # type: ignore[misc, unused-ignore]
+def dot(queries: Any, head: int, row: int, widened: Any) -> Any:
+    """``queries[head, row] . widened[head]``, vectorized: see ``REDUCTION``."""
+    total = np.float32(0.0)
+    for j in range(queries.shape[2]):
+        total += queries[head, row, j] * widened[head, j]
+    return total
+
+
+@reassociating  # type: ignore[misc, unused-ignore]
+def dot_bfloat16(queries: Any, head: int, row: int, codes: Any, slot: int) -> Any:
+    """``queries[head, row] . key``, the bfloat16 codes widened in the loop (no buffer)."""
+    total = np.float32(0.0)
+    for j in range(queries.shape[2]):
+        code = np.uint32(np.uint16(codes[slot, head, j]))
+        total += queries[head, row, j] * float32_from_bits(code << np.uint32(16))
+    return total
+
+
+@reassociating  # type: ignore[misc, unused-ignore]
+def dot_float16(queries: Any, head: int, row: int, codes: Any, slot: int) -> Any:
+    """``queries[head, row] . key``, the float16 codes widened in the loop (no buffer)."""
+    total = np.float32(0.0)
+    for j in range(queries.shape[2]):
+        total += queries[head, row, j] * float32_from_float16_bits(codes[slot, head, j])
+    return total
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def scores_into(queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, out: Any) -> None:
+    """``out[t, h, r] = queries[h, r] . key(t, h)``, one token row at a time, in logical order.
+
+    float16 and bfloat16 codes are widened inside the dot product; int8 and
+    fp8 ones in groups of 32 by :func:`scaled_dot_intrinsic` (numba's own
+    32-long loops do not fill LLVM's vector loop: measured 1.8x slower);
+    other group sizes through a 4 KiB buffer (``widen_row``) and :func:`dot`.
+    NOTE: token-major ``out``: head-major rows would lie ``num_tokens * 4``
+    bytes apart, each token's stores in one L1 set.
+    """
+    num_kv_heads, num_rows, head_dim = queries.shape
+    if fmt == 3 or fmt == 2:  # bfloat16, float16: codes (num_slots, H, d)
+        for token in range(slots.shape[0]):
+            slot = slots[token]
+            for head in range(num_kv_heads):
+                for row in range(num_rows):
+                    if fmt == 3:
+                        out[token, head, row] = dot_bfloat16(queries, head, row, codes, slot)
+                    else:
+                        out[token, head, row] = dot_float16(queries, head, row, codes, slot)
+        return
+    num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
+    if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the sums
+        for token in range(slots.shape[0]):
+            prefetch_row(codes, scales, slots, token + PREFETCH_TOKENS)
+            slot = slots[token]
+            for head in range(num_kv_heads):
+                first = (slot * num_kv_heads + head) * num_groups
+                for row in range(num_rows):
+                    query_start = (head * num_rows + row) * head_dim
+                    if fmt == 0:
+                        out[token, head, row] = dot_int8(queries, query_start, codes, first * 32, scales,
+                                                         first, num_groups)
+                    else:
+                        out[token, head, row] = dot_float8(queries, query_start, codes, first * 32, scales,
+                                                           first, num_groups)
+        return
+    buffer = np.empty(num_kv_heads * head_dim, np.float32)  # 4 KiB at H=8, d=128
+    groups = buffer.reshape(codes.shape[1], codes.shape[2])
+    widened = buffer.reshape(num_kv_heads, head_dim)
+    for token in range(slots.shape[0]):
+        widen_row(fmt, codes, scales, slots[token], groups)
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                out[token, head, row] = dot(queries, head, row, widened)
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def weighted_values_into(weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, out: Any) -> None:
+    """``out[h, r] = sum_t weights[t, h, r] * value(t, h)``, one token row at a time, in logical order."""
+    num_kv_heads, num_rows, head_dim = out.shape
+    out[:] = 0.0
+    if fmt == 3 or fmt == 2:  # bfloat16, float16: widened in the loop
+        for token in range(slots.shape[0]):
+            slot = slots[token]
+            for head in range(num_kv_heads):
+                for row in range(num_rows):
+                    weight = weights[token, head, row]
+                    if fmt == 3:
+                        for j in range(head_dim):
+                            out[head, row, j] += weight * float32_from_bits(
+                                np.uint32(np.uint16(codes[slot, head, j])) << np.uint32(16))
+                    else:
+                        for j in range(head_dim):
+                            out[head, row, j] += weight * float32_from_float16_bits(codes[slot, head, j])
+        return
+    num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
+    if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the weights
+        for token in range(slots.shape[0]):
+            prefetch_row(codes, scales, slots, token + PREFETCH_TOKENS)
+            slot = slots[token]
+            for head in range(num_kv_heads):
+                first = (slot * num_kv_heads + head) * num_groups
+                for row in range(num_rows):
+                    weight = weights[token, head, row]
+                    out_start = (head * num_rows + row) * head_dim
+                    if fmt == 0:
+                        axpy_int8(out, out_start, weight, codes, first * 32, scales, first, num_groups)
+                    else:
+                        axpy_float8(out, out_start, weight, codes, first * 32, scales, first, num_groups)
+        return
+    buffer = np.empty(num_kv_heads * head_dim, np.float32)
+    groups = buffer.reshape(codes.shape[1], codes.shape[2])
+    widened = buffer.reshape(num_kv_heads, head_dim)
+    for token in range(slots.shape[0]):
+        widen_row(fmt, codes, scales, slots[token], groups)
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                weight = weights[token, head, row]
+                for j in range(head_dim):
+                    out[head, row, j] += weight * widened[head, j]

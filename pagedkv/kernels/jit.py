@@ -1,0 +1,109 @@
+"""Decode attention over low-precision pages, compiled with numba: codes widened inside the token loop.
+
+Two passes in storage order: each token's row (``num_kv_heads * head_dim`` codes, contiguous) is
+read once and dotted with every query row of its kv head (scores, :func:`scores`); after the
+softmax (``attention.softmax_rows``), each value row is read once and accumulated
+(:func:`weighted_values`). The loops live in :mod:`pagedkv.kernels.compiled`. The reduction order
+depends only on head_dim and the CPU (:data:`REDUCTION`), never on where the pages lie, so the
+paged read and the dense recompute give the same bits. vLLM: ``paged_attention_v1``'s CPU kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "scores", "weighted_values"]
+
+#: The in-kernel widening of each storage format.
+FORMAT_CODES = {"int8": 0, "float8_e4m3": 1, "float16": 2, "bfloat16": 3}
+
+#: How the dot products over head_dim are summed.
+#:
+#: NOTE: int8 and fp8 (groups of 32): explicit ``<32 x float>`` LLVM vectors,
+#: lane ``l`` summing ``scale_g * q[32 g + l] * code[32 g + l]`` over the groups
+#: in order, then a fixed tree of halves; the order is in the IR, chosen by no
+#: compiler pass. float16, bfloat16 and other group sizes: a plain loop over
+#: head_dim compiled with ``fastmath={"reassoc", "contract"}`` (explicit lane
+#: accumulators in numba code stay scalar, 0.46-0.70 ns an element against
+#: 0.078), so LLVM's loop vectorizer splits the sum into lanes chosen from the
+#: target and the trip count, never from alignment (it does not peel for it).
+#: FMA contraction is fixed when compiled. Every call runs one compiled
+#: specialization (the array types are normalized), so the paged read and the
+#: recompute add the same numbers in the same order; tests/memory/test_formats_jit.py
+#: pins it. Nothing else in the kernel reassociates.
+REDUCTION = "explicit lanes (int8, fp8); reassoc + contract (others)"
+
+
+def compile_kernels() -> Any:
+    """The compiled ``(scores_into, weighted_values_into)`` pair (numba imported here, on first use).
+
+    Raises:
+        ImportError: numba is not installed (the ``jit`` extra).
+    """
+    try:
+        from pagedkv.kernels import compiled
+    except ImportError as error:
+        raise ImportError('the numba kernel needs numba: pip install "pagedkv[jit]"') from error
+    return compiled.scores_into, compiled.weighted_values_into
+
+
+Side = tuple[str, npt.NDArray[Any], "npt.NDArray[np.floating] | None"]
+
+
+def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]:
+    """A side for the kernels: format, codes ``(num_slots, H * G, group_size)``, scales ``(num_slots, H*G)``.
+
+    The same array types on every call (C-contiguous; int8 or int16 codes;
+    float32 scales, an empty row for a scale-free format), so the paged read
+    and the recompute run one compiled specialization.
+    """
+    name, codes, scales = side
+    num_slots = codes.shape[0]
+    raw = np.ascontiguousarray(codes).view(np.int8 if codes.dtype.itemsize == 1 else np.int16)
+    if scales is None:  # one group a head, no scales
+        stored_scales = np.empty((num_slots, 0), np.float32)
+        num_groups = codes.shape[1]
+    else:
+        stored_scales = np.ascontiguousarray(scales, np.float32).reshape(num_slots, -1)
+        num_groups = stored_scales.shape[1]
+    return FORMAT_CODES[name], raw.reshape(num_slots, num_groups, -1), stored_scales
+
+
+def scores(
+    grouped: npt.NDArray[np.float32], keys: Side, slots: npt.NDArray[np.intp]
+) -> npt.NDArray[np.float32]:
+    """``K q`` for ``grouped`` ``(num_kv_heads, rows, head_dim)``, the keys read by slot (unscaled scores).
+
+    Args:
+        grouped: each kv head's query rows, float32 (the only compute dtype compiled).
+        keys: the storage format's name, the codes token-major ``(num_slots, num_kv_heads, head_dim)``
+            and their scales ``(num_slots, num_kv_heads, num_groups)`` (None: scale-free).
+        slots: the slot of each token, in logical order.
+
+    Returns:
+        A new ``(num_kv_heads, rows, num_tokens)`` float32 array.
+    """
+    scores_into, _ = compile_kernels()
+    out = np.empty((len(slots), *grouped.shape[:2]), np.float32)  # (num_tokens, num_kv_heads, rows)
+    queries = np.ascontiguousarray(grouped, np.float32)  # the loops read float32: cast, never reinterpret
+    scores_into(queries, *_stored(keys), np.ascontiguousarray(slots, np.intp), out)
+    return np.ascontiguousarray(out.transpose(1, 2, 0))
+
+
+def weighted_values(
+    weights: npt.NDArray[np.float32], values: Side, slots: npt.NDArray[np.intp], head_dim: int
+) -> npt.NDArray[np.float32]:
+    """``weights . V`` for ``weights`` ``(num_kv_heads, rows, num_tokens)``, the values read by slot.
+
+    Returns:
+        A new ``(num_kv_heads, rows, head_dim)`` float32 array.
+    """
+    _, weighted_values_into = compile_kernels()
+    out = np.empty((*weights.shape[:2], head_dim), np.float32)
+    # (num_tokens, num_kv_heads, rows)
+    token_major = np.ascontiguousarray(weights.transpose(2, 0, 1), np.float32)
+    weighted_values_into(token_major, *_stored(values), np.ascontiguousarray(slots, np.intp), out)
+    return out

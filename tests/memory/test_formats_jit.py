@@ -1,0 +1,172 @@
+"""The compiled decode kernel (``set_kernel("numba")``, the ``jit`` extra) over every storage format.
+
+Paged decode over a fragmented shared pool, read by slot from the pages, must equal the no-cache
+recompute (``reference.attend_window``, which runs the same kernel over the dense stored codes)
+bit for bit, and the kernel must really be the one that ran. Skipped without numba.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedkv.attention as attention
+from pagedkv import KVPool, reference
+from pagedkv.attention import attend_sequence, kernel, set_kernel
+from pagedkv.blocks.table import BlockTable
+from pagedkv.errors import ConfigError
+
+pytest.importorskip("ml_dtypes")
+pytest.importorskip("numba")
+from pagedkv.kernels import jit
+
+FORMATS = ["float16", "bfloat16", "int8", "float8_e4m3"]
+
+
+@pytest.fixture(autouse=True)
+def numba_kernel() -> Iterator[None]:
+    previous = set_kernel("numba")
+    yield
+    set_kernel(previous)
+
+
+def assert_same_bits(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.dtype == expected.dtype
+    assert np.array_equal(got.view(f"u{got.itemsize}"), expected.view(f"u{expected.itemsize}"))
+
+
+def interleaved(name: str, num_tokens: int, block_size: int, head_dim: int, rng: np.random.Generator
+                ) -> tuple[KVPool, BlockTable, np.ndarray, np.ndarray]:
+    """A pool of ``name`` pages whose first table takes every other block; its dense keys and values."""
+    pool = KVPool(2 * (num_tokens // block_size + 1), block_size=block_size, num_kv_heads=2,
+                  head_dim=head_dim, dtype=np.float32, key_dtype=name, value_dtype=name)
+    tables = [BlockTable(block_size), BlockTable(block_size)]
+    while tables[0].num_tokens < num_tokens:
+        for t in tables:
+            t.append(min(block_size, num_tokens - t.num_tokens), [pool.allocator.allocate_one()])
+    dense = []
+    for t in tables:
+        pool.attach(t)
+        keys = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32) * 3
+        values = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32)
+        pool.write(0, t.slot_array(t.live_ranges()), keys, values)
+        dense.append((keys, values))
+    return pool, tables[0], *dense[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(FORMATS),
+    num_tokens=st.integers(1, 60),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    head_dim=st.sampled_from([8, 24, 64]),
+    group=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_paged_decode_over_a_fragmented_pool_equals_the_recompute_bit_for_bit(
+    name: str, num_tokens: int, block_size: int, head_dim: int, group: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    pool, table, keys, values = interleaved(name, num_tokens, block_size, head_dim, rng)
+    query = rng.standard_normal((1, 2 * group, head_dim)).astype(np.float32)
+    got = attend_sequence(pool, 0, table, None, query, 0.3)
+    expected = reference.attend_window(query[0], list(keys), list(values), scale=0.3, dtype=np.float32,
+                                       key_dtype=name, value_dtype=name)
+    assert_same_bits(got[0], expected)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_compiled_kernel_is_what_runs_and_stays_near_the_numpy_kernel(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(0)
+    pool, table, _, _ = interleaved(name, 40, 4, 64, rng)
+    query = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    calls: list[Any] = []
+    original = jit.scores
+
+    def counted(*args: Any) -> Any:
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(jit, "scores", counted)
+    compiled = attend_sequence(pool, 0, table, None, query, 0.3)
+    assert len(calls) == 1
+    set_kernel("numpy")
+    numpy_path = attend_sequence(pool, 0, table, None, query, 0.3)
+    assert len(calls) == 1
+    # Different summation orders: close, not necessarily equal.
+    np.testing.assert_allclose(compiled, numpy_path, rtol=1e-5, atol=1e-5)
+
+
+def test_a_planted_kernel_that_reads_the_next_slot_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that reads slots as if the table were one run breaks only the paged read: must fail."""
+    original = jit.scores
+
+    def as_one_run(grouped: Any, keys: Any, slots: Any) -> Any:
+        return original(grouped, keys, slots[0] + np.arange(len(slots)))
+
+    monkeypatch.setattr(jit, "scores", as_one_run)
+    with pytest.raises(AssertionError):
+        test_compiled_paged_decode_over_a_fragmented_pool_equals_the_recompute_bit_for_bit.hypothesis.inner_test(
+            name="int8", num_tokens=12, block_size=2, head_dim=8, group=1, seed=3)
+
+
+def test_an_unknown_kernel_is_refused_and_nothing_changes() -> None:
+    before = kernel()
+    with pytest.raises(ConfigError, match="kernel must be one of"):
+        set_kernel("cuda")
+    assert kernel() == before == "numba"
+    assert attention.KERNELS == ("numpy", "numba")
+
+
+def every_code(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every code of ``name`` that may reach a page (no NaN), as stored, and its exact float32 value."""
+    if name in ("int8", "float8_e4m3"):
+        raw = np.arange(256, dtype=np.uint8)
+        exact = raw.view(np.int8).astype(np.float32) if name == "int8" else jit_reference_fp8(raw)
+    else:
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        exact = (bits.view(np.float16).astype(np.float32) if name == "float16"
+                 else (bits.astype(np.uint32) << 16).view(np.float32))
+        raw = bits
+    keep = ~np.isnan(exact)
+    return raw[keep], exact[keep]
+
+
+def jit_reference_fp8(raw: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    with np.errstate(invalid="ignore"):
+        values: np.ndarray = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return values
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_storable_code_widens_to_its_exact_value(name: str) -> None:
+    """One token, weight 1, scales 1: the values pass returns each code's value (subnormals, 448, inf)."""
+    raw, exact = every_code(name)
+    if name == "float8_e4m3":  # 254 codes: two zeros make whole groups of 32
+        raw, exact = np.concatenate([raw, raw[:2] * 0]), np.concatenate([exact, exact[:2] * 0])
+    num_codes = len(raw)
+    codes = raw[:num_codes].reshape(1, 1, num_codes)
+    scales = None if name in ("float16", "bfloat16") else np.ones((1, 1, num_codes // 32), np.float32)
+    weights = np.ones((1, 1, 1), np.float32)
+    got = jit.weighted_values(weights, (name, codes, scales), np.zeros(1, np.intp), num_codes)
+    # The sum starts at +0.0, so -0.0 comes out as +0.0 (as a matmul's would).
+    assert_same_bits(got.reshape(-1), exact[:num_codes] + np.float32(0.0))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_float64_query_is_read_as_float32_by_the_compiled_kernel(name: str) -> None:
+    """The explicit-vector loops read float32 queries; a float64 query must be cast, not reinterpreted."""
+    rng = np.random.default_rng(1)
+    pool, table, _, _ = interleaved(name, 20, 4, 64, rng)
+    query = rng.standard_normal((1, 2, 64))
+    got = attend_sequence(pool, 0, table, None, query, 0.3)
+    assert_same_bits(got, attend_sequence(pool, 0, table, None, query.astype(np.float32), 0.3))
