@@ -691,7 +691,6 @@ def attend_batch(
     window: int | None,
     queries: npt.NDArray[Any],
     scale: float,
-    method: str = "loop",
 ) -> npt.NDArray[Any]:
     """Attention of a batch's new tokens, each sequence over its own table.
 
@@ -703,14 +702,13 @@ def attend_batch(
         window: the layer's window, or None.
         queries: ``(num_tokens, num_q_heads, head_dim)``.
         scale: multiplies every score.
-        method: ``"loop"`` (one ``attend_sequence`` per table) or ``"padded"``
-            (one ``attend_decode_padded`` call when every sequence has one new token).
+
+    One :func:`attend_sequence` per table (``KVCacheManager.attend(method="padded")``
+    calls :func:`attend_decode_padded` instead when every sequence has one new token).
 
     Returns:
         A new ``(num_tokens, num_q_heads, head_dim)`` array.
     """
-    if method == "padded" and len(queries) == len(tables):
-        return attend_decode_padded(pool, layer, tables, window, queries, scale)
     out = np.empty_like(queries)
     for table, lo, hi in zip(tables, query_start[:-1], query_start[1:]):
         out[lo:hi] = attend_sequence(pool, layer, table, window, queries[lo:hi], scale)

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.attention import attend_batch, attend_sequence
+from pagedkv.attention import attend_batch, attend_decode_padded, attend_sequence
 from pagedkv.blocks.table import BlockTable
 from pagedkv.counts import check_count, check_layer
 from pagedkv.errors import ConfigError, InputTypeError, SequenceStateError, ShapeError, refuse_pickling
@@ -1027,7 +1027,9 @@ class KVCacheManager:
         if len(seqs) == 1:  # one sequence: its attention is the whole output (no offsets, no copy)
             return attend_sequence(pool, layer, seqs[0].table, window, query_array, scale)
         tables = [seq.table for seq in seqs]
-        return attend_batch(pool, layer, tables, batch.query_start, window, query_array, scale, method)
+        if method == "padded" and len(query_array) == len(tables):  # one new token each: one padded call
+            return attend_decode_padded(pool, layer, tables, window, query_array, scale)
+        return attend_batch(pool, layer, tables, batch.query_start, window, query_array, scale)
 
 
 def _check_no_tokens(name: str, value: Any, dtype: np.dtype[Any], expected: tuple[int, int, int]) -> None:
