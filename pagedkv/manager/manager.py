@@ -890,21 +890,16 @@ class KVCacheManager:
         max_abs_key = self._max_abs_key
         token = batch._token if batch.__class__ is Batch else None
         num_layers = self.num_layers
-        if token is not None and layer.__class__ is int and 0 <= layer < num_layers:
-            seq_id, position, slot, _ = token
-            record = records.get(seq_id)
-            if (
-                record is not None
-                and record.batch is batch
-                and record.state is RUNNING
-                and record.num_written[layer] == position
-            ):
+        if token is not None:
+            record = self._issued_record(batch, layer)
+            position = token[1]
+            if record is not None and record.num_written[layer] == position:
                 key_row, value_row, largest_key = check_token_pair(  # flat rows, as write_token takes them
                     keys, values, pool.dtype, pool.token_shape, not self.trusted_inputs, self._scan_index,
                     True,
                 )
                 # ---- validated ----
-                pool.write_token(layer, slot, key_row, value_row)
+                pool.write_token(layer, token[2], key_row, value_row)
                 if largest_key > max_abs_key[layer]:
                     max_abs_key[layer] = largest_key
                 end = record.num_written[layer] = position + 1
@@ -946,6 +941,25 @@ class KVCacheManager:
             if sharing is not None and end // pool.block_size > len(seq.block_keys):
                 sharing.key_full_blocks(seq)
 
+    def _issued_record(self, batch: Batch, layer: int) -> SequenceRecord | None:
+        """The fast paths' one check: the running record ``batch`` was issued for, or None.
+
+        ``batch`` must be the very one-sequence batch ``reserve`` returned for
+        a running record and ``layer`` an int in range; anything else is None,
+        and the general path (``batch_records``, ``check_layer``) says what is
+        wrong. ``_write_layer`` and ``_attend_one_sequence`` add only what
+        each needs of the layer (unwritten, or written).
+        """
+        if batch.__class__ is not Batch or layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            return None
+        seq_ids = batch.seq_ids
+        if len(seq_ids) != 1:
+            return None
+        record = self._seqs.get(seq_ids[0])
+        if record is None or record.batch is not batch or record.state is not RUNNING:
+            return None
+        return record
+
     def _attend_one_sequence(
         self, layer: int, batch: Batch, queries: Any, method: str, scale: float, scan: bool
     ) -> npt.NDArray[Any] | None:
@@ -971,18 +985,10 @@ class KVCacheManager:
         [[[7.0]]]
         """
         pool = self.pool
-        if (
-            batch.__class__ is not Batch
-            or layer.__class__ is not int
-            or not 0 <= layer < self.num_layers
-            or (method != "loop" and method != "padded")
-        ):
+        if method != "loop" and method != "padded":
             return None
-        seq_ids = batch.seq_ids
-        if len(seq_ids) != 1:
-            return None
-        record = self._seqs.get(seq_ids[0])
-        if record is None or record.batch is not batch or record.state is not RUNNING:
+        record = self._issued_record(batch, layer)
+        if record is None:
             return None
         table = record.table
         if record.num_written[layer] != table.num_tokens:
