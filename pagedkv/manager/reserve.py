@@ -35,8 +35,8 @@ from pagedkv.manager.sequence import (
     RUNNING,
     SequenceRecord,
     SequenceRegistry,
-    SequenceState,
     check_settled,
+    is_settled,
 )
 from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.cache import pack_token_ids
@@ -206,7 +206,6 @@ def resolve_requests(
     """
     seen: set[Hashable] | None = set() if len(requests.seq_ids) > 1 else None
     resolved = []
-    running = SequenceState.RUNNING
     for seq_id, count, token_ids in zip(requests.seq_ids, requests.counts, requests.token_ids):
         try:
             record = records[seq_id]
@@ -218,12 +217,7 @@ def resolve_requests(
             seen.add(seq_id)
         if count < 1:
             check_count(f"tokens for sequence {seq_id!r}", count)
-        # Settled: running, and every layer wrote every reserved token (no count exceeds it).
-        num_written = record.num_written
-        num_tokens = record.table.num_tokens
-        if record.state is not running or num_written[-1] != num_tokens or (
-            len(num_written) > 1 and min(num_written) != num_tokens
-        ):
+        if not is_settled(record):  # running, and every layer wrote every reserved token
             check_settled(record, "reserve for")
         if keyed and token_ids is None and record.token_ids is not None:
             raise ConfigError(
@@ -811,13 +805,10 @@ def reserve_one(
         record = records[seq_id]
     except (KeyError, TypeError):
         return None
+    if not is_settled(record):
+        return None
     table = record.table
     num_tokens = table.num_tokens
-    num_written = record.num_written
-    if record.state is not RUNNING or num_written[-1] != num_tokens or (
-        len(num_written) > 1 and min(num_written) != num_tokens
-    ):
-        return None
     if keyed and token_ids is None and record.token_ids is not None:
         return None
     allocator = pool.allocator

@@ -37,6 +37,7 @@ __all__ = [
     "SequenceRegistry",
     "SequenceState",
     "check_settled",
+    "is_settled",
     "pending_layers",
 ]
 
@@ -397,6 +398,19 @@ class SequenceRegistry(dict[Hashable, SequenceRecord]):
 def pending_layers(num_written: list[int], num_tokens: int) -> list[int]:
     """Layers whose written count is not ``num_tokens`` (of a record, or of a saved one)."""
     return [layer for layer, n in enumerate(num_written) if n != num_tokens]
+
+
+def is_settled(record: SequenceRecord) -> bool:
+    """Whether ``record`` is running and every layer wrote every reserved token.
+
+    The one test ``reserve``'s fast and general paths share; ``check_settled``
+    says what is wrong when it fails.
+    """
+    num_written = record.num_written
+    num_tokens = record.table.num_tokens
+    return record.state is RUNNING and num_written[-1] == num_tokens and (
+        len(num_written) == 1 or min(num_written) == num_tokens
+    )
 
 
 def check_settled(record: SequenceRecord, action: str) -> None:
