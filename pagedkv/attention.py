@@ -264,6 +264,10 @@ def attend_padded(
 #: Tokens dequantized at a time by the chunked kernels (see benchmarks/bench_formats.py).
 CHUNK_TOKENS = 1024
 
+#: Tokens widened at a time where the compiled kernel widens them (a prefill chunk's keys and
+#: values): 2 MiB of float32 at H=8, d=128, about L2 (256 and 512 measured alike; docs/quantization.md).
+COMPILED_CHUNK_TOKENS = 512
+
 #: Up to this many rows per kv head (a decode's grouped query heads) scales are folded into the
 #: scores and weights; more rows (a prefill chunk) multiply each chunk's values by them instead.
 #:
@@ -284,7 +288,10 @@ def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.ND
     if isinstance(tokens, QuantizedTokens):
         heads, _, head_dim = tokens.shape
         out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
-        tokens.decode_into(start, end, out)
+        if _widens_compiled(dtype):
+            _decode_compiled(tokens, start, end, out)
+        else:
+            tokens.decode_into(start, end, out)
         heads_first: npt.NDArray[np.floating] = out.transpose(1, 0, 2)
         return heads_first
     return tokens[:, start:end]
@@ -306,12 +313,15 @@ def _folds(tokens: Tokens, num_rows: int) -> bool:
     return isinstance(tokens, QuantizedTokens) and tokens.storage.scaled and num_rows <= FOLD_MAX_ROWS
 
 
-def _chunks(num_tokens: int) -> list[tuple[int, int]]:
+def _chunks(num_tokens: int, dtype: np.dtype[Any]) -> list[tuple[int, int]]:
     """``[start, end)`` of each chunk, counted from the window's first token::
 
     CHUNK_TOKENS 4, 10 tokens:  |0 1 2 3|4 5 6 7|8 9|
+
+    (``COMPILED_CHUNK_TOKENS`` where the compiled kernel widens the chunks.)
     """
-    return [(start, min(num_tokens, start + CHUNK_TOKENS)) for start in range(0, num_tokens, CHUNK_TOKENS)]
+    size = COMPILED_CHUNK_TOKENS if _widens_compiled(dtype) else CHUNK_TOKENS
+    return [(start, min(num_tokens, start + size)) for start in range(0, num_tokens, size)]
 
 
 def _weighted_values(
@@ -329,7 +339,7 @@ def _weighted_values(
     """
     num_kv_heads, num_rows, _ = weights.shape
     out: npt.NDArray[np.floating] | None = None
-    for start, end in _chunks(values.shape[1]):
+    for start, end in _chunks(values.shape[1], dtype):
         if isinstance(values, QuantizedTokens) and _folds(values, num_rows):
             codes, scales = _widened(values, start, end, dtype)
             num_groups = scales.shape[-1]
@@ -374,13 +384,13 @@ def _scores(
         for group in range(num_groups):
             blocks[:, group, :, group, :] = by_group[:, :, group, :].transpose(0, 2, 1)
         blocks_2d = blocks.reshape(num_kv_heads, head_dim, num_groups * num_rows)
-        for start, end in _chunks(num_tokens):
+        for start, end in _chunks(num_tokens, dtype):
             codes, scales = _widened(keys, start, end, dtype)
             partial = np.matmul(codes, blocks_2d).reshape(num_kv_heads, end - start, num_groups, num_rows)
             scores[:, :, start:end] = np.einsum("hcgr,hcg->hrc", partial, scales)
         return scores
     query_t = grouped.transpose(0, 2, 1)
-    for start, end in _chunks(num_tokens):
+    for start, end in _chunks(num_tokens, dtype):
         if num_rows > FOLD_MAX_ROWS:
             # NOTE: many rows (a prefill chunk): query @ keys^T straight into
             # the scores saves the transposed copy of the form below (about
@@ -394,7 +404,8 @@ def _scores(
     return scores
 
 
-#: The kernels a quantized decode can run: numpy's chunked matmuls, or the compiled one (``jit`` extra).
+#: The kernels a quantized decode can run: numpy's chunked matmuls, or the compiled one (``jit`` extra,
+#: which also widens a prefill's chunks).
 KERNELS = ("numpy", "numba")
 
 _SELECTED = {"kernel": "numpy"}
@@ -435,35 +446,66 @@ def set_kernel(name: str) -> str:
     return previous
 
 
+def _widens_compiled(dtype: np.dtype[Any]) -> bool:
+    """Whether quantized chunks are widened by the compiled kernel (``set_kernel("numba")``, float32)."""
+    return _SELECTED["kernel"] == "numba" and dtype == np.float32
+
+
+def _decode_compiled(tokens: QuantizedTokens, start: int, end: int, out: npt.NDArray[np.floating]) -> None:
+    """``tokens.decode_into`` by the compiled loop: the same values, read by slot from the stored rows.
+
+    NOTE: a prefill chunk's matmuls are compute-bound and reuse each widened
+    row once per query row, so the chunk is widened once (not folded); the
+    numpy decode's copy of the codes by slot and its second pass for the
+    scales cost more than the widening (benchmarks/bench_formats.py).
+    """
+    from pagedkv.kernels import jit
+
+    slots, scale_slots = _compiled_slots(tokens)
+    side = (tokens.storage.name, tokens.codes.transpose(1, 0, 2),
+            None if tokens.scales is None else tokens.scales.transpose(1, 0, 2))
+    jit.decode_into(side, slots[start:end], scale_slots[start:end], out)
+
+
+def _compiled_slots(tokens: QuantizedTokens) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Where the compiled kernels read each token's codes and its scales (``QuantizedTokens``'s slots)::
+
+        stored tokens:   codes 0 1 2 ..   scales 0 1 2 ..
+        by slot:         codes slots      scales slots
+        page view:       codes 0 1 2 ..   scales slots     (codes mapped, scales read by slot)
+    """
+    if tokens.slots is not None:
+        return tokens.slots, tokens.slots
+    in_order = np.arange(tokens.shape[1])
+    return in_order, in_order if tokens.scale_slots is None else tokens.scale_slots
+
+
 def _attend_compiled(
     query: npt.NDArray[np.floating], keys: Tokens, values: Tokens, scale: float, dtype: np.dtype[Any]
 ) -> npt.NDArray[np.floating] | None:
     """The compiled kernel's decode, or None where it does not apply (numpy's path then runs).
 
-    It applies to float32 compute over quantized keys and values read by the
-    same slots (or both dense): conditions on types and shapes only, so a
+    It applies to float32 compute over quantized keys and values (each side
+    read where ``_compiled_slots`` says): conditions on types only, so a
     paged read and its recompute always take the same path.
     """
     if _SELECTED["kernel"] != "numba" or dtype != np.float32:
         return None
     if not (isinstance(keys, QuantizedTokens) and isinstance(values, QuantizedTokens)):
         return None
-    if (keys.slots is None) != (values.slots is None):
-        return None
-    if keys.slots is not None and values.slots is not None and not np.array_equal(keys.slots, values.slots):
-        return None
     from pagedkv.kernels import jit
 
-    num_kv_heads, num_tokens, head_dim = keys.shape
-    slots = keys.slots if keys.slots is not None else np.arange(num_tokens)
+    num_kv_heads, _, head_dim = keys.shape
+    key_slots, value_slots = _compiled_slots(keys), _compiled_slots(values)
     grouped = query.reshape(num_kv_heads, -1, head_dim)
     key_side, value_side = (
         (side.storage.name, side.codes.transpose(1, 0, 2),
          None if side.scales is None else side.scales.transpose(1, 0, 2))
         for side in (keys, values)
     )
-    weights = softmax_rows(jit.scores(grouped, key_side, slots), scale)  # (num_kv_heads, group, num_tokens)
-    out = jit.weighted_values(weights, value_side, slots, head_dim)
+    scores = jit.scores(grouped, key_side, *key_slots)  # (num_kv_heads, group, num_tokens)
+    weights = softmax_rows(scores, scale)
+    out = jit.weighted_values(weights, value_side, *value_slots, head_dim)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result
 

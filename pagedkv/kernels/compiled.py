@@ -21,7 +21,7 @@ from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused
 from numba.core import cgutils  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-__all__ = ["PREFETCH_TOKENS", "scores_into", "weighted_values_into"]
+__all__ = ["PREFETCH_TOKENS", "scores_into", "weighted_values_into", "widen_tokens_into"]
 
 #: How many tokens ahead the int8 and fp8 loops prefetch each page row (a hint to the CPU).
 PREFETCH_TOKENS = 8
@@ -192,7 +192,7 @@ def prefetch(typingctx: Any, array: Any, byte_offset: Any) -> Any:
 
 
 @numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
-def prefetch_row(codes: Any, scales: Any, slots: Any, token: int) -> None:
+def prefetch_row(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: int) -> None:
     """Prefetch token ``token``'s codes and scales, ``PREFETCH_TOKENS`` ahead of their use."""
     if token < slots.shape[0]:
         slot = slots[token]
@@ -201,7 +201,7 @@ def prefetch_row(codes: Any, scales: Any, slots: Any, token: int) -> None:
             prefetch(codes, slot * row_size + line)
         scale_size = scales.shape[1] * 4
         for line in range(0, scale_size, 64):
-            prefetch(scales, slot * scale_size + line)
+            prefetch(scales, scale_slots[token] * scale_size + line)
 
 
 FLOATS = ir.VectorType(ir.FloatType(), GROUP)
@@ -221,8 +221,10 @@ reassociating = numba.njit(cache=True, nogil=True, error_model="numpy", boundsch
 # contiguous load into a gather (measured: 5 ms against 1 ms per 8k keys).
 # widen_row is inlined by numba (no call, no reference counts per row).
 @numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
-def widen_row(fmt: int, codes: Any, scales: Any, slot: int, out: Any) -> None:
+def widen_row(fmt: int, codes: Any, scales: Any, slot: int, scale_slot: int, out: Any) -> None:
     """Slot ``slot``'s codes into ``out`` ``(H * G, group_size)`` as ``code * scale`` (exact, one rounding).
+
+    The scales are ``scale_slot``'s (``slot`` itself unless the codes are a mapped copy).
 
     ``codes`` is ``(num_slots, H * G, group_size)`` and ``scales``
     ``(num_slots, H * G)`` (G = 1 and no scales for a scale-free format).
@@ -241,12 +243,12 @@ def widen_row(fmt: int, codes: Any, scales: Any, slot: int, out: Any) -> None:
                 out[group, j] = float32_from_float16_bits(codes[slot, group, j])
     elif fmt == 0:  # int8: the cast is exact; times the group's scale
         for group in range(num_groups):
-            group_scale = scales[slot, group]
+            group_scale = scales[scale_slot, group]
             for j in range(group_size):
                 out[group, j] = np.float32(codes[slot, group, j]) * group_scale
     else:  # fp8 e4m3: sign-extended, << 20, sign and exponent masked, rebiased by 2^120
         for group in range(num_groups):
-            group_scale = scales[slot, group]
+            group_scale = scales[scale_slot, group]
             for j in range(group_size):
                 bits = np.uint32((np.int32(codes[slot, group, j]) << 20) & 0x87FFFFFF)
                 out[group, j] = (float32_from_bits(bits) * np.float32(2.0**120)) * group_scale
@@ -281,7 +283,9 @@ def dot_float16(queries: Any, head: int, row: int, codes: Any, slot: int) -> Any
 
 
 @jit  # type: ignore[misc, unused-ignore]
-def scores_into(queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, out: Any) -> None:
+def scores_into(
+    queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
     """``out[t, h, r] = queries[h, r] . key(t, h)``, one token row at a time, in logical order.
 
     float16 and bfloat16 codes are widened inside the dot product; int8 and
@@ -305,31 +309,34 @@ def scores_into(queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, out
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the sums
         for token in range(slots.shape[0]):
-            prefetch_row(codes, scales, slots, token + PREFETCH_TOKENS)
-            slot = slots[token]
+            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
+            slot, scale_slot = slots[token], scale_slots[token]
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
+                scale_first = (scale_slot * num_kv_heads + head) * num_groups
                 for row in range(num_rows):
                     query_start = (head * num_rows + row) * head_dim
                     if fmt == 0:
                         out[token, head, row] = dot_int8(queries, query_start, codes, first * 32, scales,
-                                                         first, num_groups)
+                                                         scale_first, num_groups)
                     else:
                         out[token, head, row] = dot_float8(queries, query_start, codes, first * 32, scales,
-                                                           first, num_groups)
+                                                           scale_first, num_groups)
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)  # 4 KiB at H=8, d=128
     groups = buffer.reshape(codes.shape[1], codes.shape[2])
     widened = buffer.reshape(num_kv_heads, head_dim)
     for token in range(slots.shape[0]):
-        widen_row(fmt, codes, scales, slots[token], groups)
+        widen_row(fmt, codes, scales, slots[token], scale_slots[token], groups)
         for head in range(num_kv_heads):
             for row in range(num_rows):
                 out[token, head, row] = dot(queries, head, row, widened)
 
 
 @jit  # type: ignore[misc, unused-ignore]
-def weighted_values_into(weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, out: Any) -> None:
+def weighted_values_into(
+    weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
     """``out[h, r] = sum_t weights[t, h, r] * value(t, h)``, one token row at a time, in logical order."""
     num_kv_heads, num_rows, head_dim = out.shape
     out[:] = 0.0
@@ -350,25 +357,40 @@ def weighted_values_into(weights: Any, fmt: int, codes: Any, scales: Any, slots:
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the weights
         for token in range(slots.shape[0]):
-            prefetch_row(codes, scales, slots, token + PREFETCH_TOKENS)
-            slot = slots[token]
+            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
+            slot, scale_slot = slots[token], scale_slots[token]
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
+                scale_first = (scale_slot * num_kv_heads + head) * num_groups
                 for row in range(num_rows):
                     weight = weights[token, head, row]
                     out_start = (head * num_rows + row) * head_dim
                     if fmt == 0:
-                        axpy_int8(out, out_start, weight, codes, first * 32, scales, first, num_groups)
+                        axpy_int8(out, out_start, weight, codes, first * 32, scales, scale_first, num_groups)
                     else:
-                        axpy_float8(out, out_start, weight, codes, first * 32, scales, first, num_groups)
+                        axpy_float8(out, out_start, weight, codes, first * 32, scales, scale_first,
+                                    num_groups)
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)
     groups = buffer.reshape(codes.shape[1], codes.shape[2])
     widened = buffer.reshape(num_kv_heads, head_dim)
     for token in range(slots.shape[0]):
-        widen_row(fmt, codes, scales, slots[token], groups)
+        widen_row(fmt, codes, scales, slots[token], scale_slots[token], groups)
         for head in range(num_kv_heads):
             for row in range(num_rows):
                 weight = weights[token, head, row]
                 for j in range(head_dim):
                     out[head, row, j] += weight * widened[head, j]
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def widen_tokens_into(fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any) -> None:
+    """``out[t] = code * scale`` of slot ``slots[t]``'s row, ``out`` ``(num_tokens, H * G, group_size)``.
+
+    A prefill chunk's keys or values widened from the stored bytes, token by
+    token in one pass (``widen_row``: each value exact, times its scale in one
+    rounding, as ``StorageFormat.decode_into``), for BLAS to multiply.
+    """
+    for token in range(slots.shape[0]):
+        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
+        widen_row(fmt, codes, scales, slots[token], scale_slots[token], out[token])

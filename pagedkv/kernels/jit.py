@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "scores", "weighted_values"]
+__all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "decode_into", "scores", "weighted_values"]
 
 #: The in-kernel widening of each storage format.
 FORMAT_CODES = {"int8": 0, "float8_e4m3": 1, "float16": 2, "bfloat16": 3}
@@ -54,7 +54,7 @@ Side = tuple[str, npt.NDArray[Any], "npt.NDArray[np.floating] | None"]
 
 
 def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]:
-    """A side for the kernels: format, codes ``(num_slots, H * G, group_size)``, scales ``(num_slots, H*G)``.
+    """A side for the kernels: format, codes ``(num_slots, H * G, gs)``, scales ``(num_scale_slots, H * G)``.
 
     The same array types on every call (C-contiguous; int8 or int16 codes;
     float32 scales, an empty row for a scale-free format), so the paged read
@@ -67,13 +67,16 @@ def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]
         stored_scales = np.empty((num_slots, 0), np.float32)
         num_groups = codes.shape[1]
     else:
-        stored_scales = np.ascontiguousarray(scales, np.float32).reshape(num_slots, -1)
+        stored_scales = np.ascontiguousarray(scales, np.float32).reshape(len(scales), -1)
         num_groups = stored_scales.shape[1]
     return FORMAT_CODES[name], raw.reshape(num_slots, num_groups, -1), stored_scales
 
 
 def scores(
-    grouped: npt.NDArray[np.float32], keys: Side, slots: npt.NDArray[np.intp]
+    grouped: npt.NDArray[np.float32],
+    keys: Side,
+    slots: npt.NDArray[np.intp],
+    scale_slots: npt.NDArray[np.intp],
 ) -> npt.NDArray[np.float32]:
     """``K q`` for ``grouped`` ``(num_kv_heads, rows, head_dim)``, the keys read by slot (unscaled scores).
 
@@ -81,7 +84,8 @@ def scores(
         grouped: each kv head's query rows, float32 (the only compute dtype compiled).
         keys: the storage format's name, the codes token-major ``(num_slots, num_kv_heads, head_dim)``
             and their scales ``(num_slots, num_kv_heads, num_groups)`` (None: scale-free).
-        slots: the slot of each token, in logical order.
+        slots: the slot of each token's codes, in logical order.
+        scale_slots: the slot of each token's scales (``slots`` unless the codes are a mapped copy).
 
     Returns:
         A new ``(num_kv_heads, rows, num_tokens)`` float32 array.
@@ -89,14 +93,17 @@ def scores(
     scores_into, _ = compile_kernels()
     out = np.empty((len(slots), *grouped.shape[:2]), np.float32)  # (num_tokens, num_kv_heads, rows)
     queries = np.ascontiguousarray(grouped, np.float32)  # the loops read float32: cast, never reinterpret
-    scores_into(queries, *_stored(keys), np.ascontiguousarray(slots, np.intp), out)
+    scores_into(queries, *_stored(keys), *_slot_arrays(slots, scale_slots), out)
     return np.ascontiguousarray(out.transpose(1, 2, 0))
 
 
 def weighted_values(
-    weights: npt.NDArray[np.float32], values: Side, slots: npt.NDArray[np.intp], head_dim: int
+    weights: npt.NDArray[np.float32], values: Side, slots: npt.NDArray[np.intp],
+    scale_slots: npt.NDArray[np.intp], head_dim: int,
 ) -> npt.NDArray[np.float32]:
     """``weights . V`` for ``weights`` ``(num_kv_heads, rows, num_tokens)``, the values read by slot.
+
+    ``slots`` and ``scale_slots`` as in :func:`scores`.
 
     Returns:
         A new ``(num_kv_heads, rows, head_dim)`` float32 array.
@@ -105,5 +112,30 @@ def weighted_values(
     out = np.empty((*weights.shape[:2], head_dim), np.float32)
     # (num_tokens, num_kv_heads, rows)
     token_major = np.ascontiguousarray(weights.transpose(2, 0, 1), np.float32)
-    weighted_values_into(token_major, *_stored(values), np.ascontiguousarray(slots, np.intp), out)
+    weighted_values_into(token_major, *_stored(values), *_slot_arrays(slots, scale_slots), out)
     return out
+
+
+def decode_into(
+    side: Side, slots: npt.NDArray[np.intp], scale_slots: npt.NDArray[np.intp], out: npt.NDArray[np.float32]
+) -> None:
+    """The tokens at ``slots`` as floats into ``out`` ``(len(slots), H, d)``, C-contiguous float32.
+
+    ``slots`` and ``scale_slots`` as in :func:`scores`.
+
+    The same values as ``StorageFormat.decode_into`` (each ``code * scale``,
+    exact code, one rounding), widened by the compiled loop straight from the
+    stored rows: no copy of the codes by slot, no second pass for the scales.
+    """
+    from pagedkv.kernels import compiled
+
+    fmt, codes, scales = _stored(side)
+    compiled.widen_tokens_into(fmt, codes, scales, *_slot_arrays(slots, scale_slots),
+                               out.reshape(len(slots), codes.shape[1], codes.shape[2]))
+
+
+def _slot_arrays(
+    slots: npt.NDArray[np.intp], scale_slots: npt.NDArray[np.intp]
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Both slot arrays as the kernels take them: C-contiguous intp (one compiled specialization)."""
+    return np.ascontiguousarray(slots, np.intp), np.ascontiguousarray(scale_slots, np.intp)

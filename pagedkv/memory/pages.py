@@ -338,7 +338,11 @@ def take_tokens(
 
 
 def _viewed_side(stored: npt.NDArray[Any], side: _Side, slots: npt.NDArray[np.intp]) -> Tokens:
-    """One side's view ``(n, H, d)`` as head-major tokens: floats, or codes with their scales."""
+    """One side's view ``(n, H, d)`` as head-major tokens: floats, or codes with their scales.
+
+    The scales are not in the page file: the tokens name the side's scales
+    and ``slots``, read by slot where attention reads them (no copy here).
+    """
     codes: npt.NDArray[Any] = stored.transpose(1, 0, 2)
     _, scales, storage = side
     if storage is None:
@@ -347,7 +351,7 @@ def _viewed_side(stored: npt.NDArray[Any], side: _Side, slots: npt.NDArray[np.in
         return QuantizedTokens(codes, None, storage)
     num_blocks, block_size, heads, num_groups = scales.shape
     flat = scales.reshape(num_blocks * block_size, heads, num_groups)
-    return QuantizedTokens(codes, np.take(flat, slots, axis=0).transpose(1, 0, 2), storage)
+    return QuantizedTokens(codes, flat.transpose(1, 0, 2), storage, scale_slots=slots)
 
 
 def _heads_first(scales: npt.NDArray[np.floating] | None) -> npt.NDArray[np.floating] | None:

@@ -417,6 +417,8 @@ class QuantizedTokens:
 
         slots None:   codes (H, num_tokens, d)   token i = codes[:, i]
         slots given:  codes (H, num_slots, d)    token i = codes[:, slots[i]]
+        scale_slots:  scales (H, num_slots, G)   token i's = scales[:, scale_slots[i]]
+                      (codes mapped in order, scales read from the pool by slot: a page view)
 
     Attributes:
         codes: ``(num_kv_heads, num_tokens or num_slots, head_dim)`` (often a
@@ -425,12 +427,16 @@ class QuantizedTokens:
             scale-free format (float16, bfloat16).
         storage: how to turn them back into floats.
         slots: the slot of each token, in order, or None.
+        scale_slots: the slot of each token's scales where ``scales`` is a
+            whole side's and ``codes`` are the tokens themselves, or None
+            (the scales are indexed as the codes are).
     """
 
     codes: npt.NDArray[Any]
     scales: npt.NDArray[np.floating] | None
     storage: StorageFormat
     slots: npt.NDArray[np.intp] | None = None
+    scale_slots: npt.NDArray[np.intp] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -472,8 +478,11 @@ class QuantizedTokens:
         """Tokens ``start .. end - 1``'s codes ``(n, H, d)`` and scales ``(n, H, G)`` (or None), as stored."""
         if self.slots is None:
             codes = self.codes[:, start:end].transpose(1, 0, 2)
-            scales = None if self.scales is None else self.scales[:, start:end].transpose(1, 0, 2)
-            return codes, scales
+            if self.scales is None:
+                return codes, None
+            if self.scale_slots is None:
+                return codes, self.scales[:, start:end].transpose(1, 0, 2)
+            return codes, self._taken_scales(self.scale_slots[start:end])
         slots = self.slots[start:end]
         flat = self.codes.transpose(1, 0, 2)  # (num_slots, H, d), token-major as stored
         taken = scratch_buffer("codes", flat.dtype, (len(slots), *flat.shape[1:]))
@@ -482,10 +491,15 @@ class QuantizedTokens:
         np.take(flat, slots, axis=0, out=taken, mode="clip")
         if self.scales is None:
             return taken, None
+        return taken, self._taken_scales(slots)
+
+    def _taken_scales(self, slots: npt.NDArray[np.intp]) -> npt.NDArray[np.floating]:
+        """The scales at ``slots`` ``(n, H, G)``, copied into this thread's scratch."""
+        assert self.scales is not None  # a scaled side (the callers checked)
         flat_scales = self.scales.transpose(1, 0, 2)
         taken_scales = scratch_buffer("scales", flat_scales.dtype, (len(slots), *flat_scales.shape[1:]))
         np.take(flat_scales, slots, axis=0, out=taken_scales, mode="clip")
-        return taken, taken_scales
+        return taken_scales
 
 
 def _heads_first(scales: npt.NDArray[np.floating] | None) -> npt.NDArray[np.floating] | None:

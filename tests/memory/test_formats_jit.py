@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import pagedkv.attention as attention
 from pagedkv import KVPool, reference
-from pagedkv.attention import attend_sequence, kernel, set_kernel
+from pagedkv.attention import attend_chunked_masked, attend_sequence, kernel, set_kernel
 from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import ConfigError
+from pagedkv.memory.quantization import QuantizedTokens, storage_format
 
 pytest.importorskip("ml_dtypes")
 pytest.importorskip("numba")
@@ -40,11 +41,11 @@ def assert_same_bits(got: np.ndarray, expected: np.ndarray) -> None:
     assert np.array_equal(got.view(f"u{got.itemsize}"), expected.view(f"u{expected.itemsize}"))
 
 
-def interleaved(name: str, num_tokens: int, block_size: int, head_dim: int, rng: np.random.Generator
-                ) -> tuple[KVPool, BlockTable, np.ndarray, np.ndarray]:
+def interleaved(name: str, num_tokens: int, block_size: int, head_dim: int, rng: np.random.Generator,
+                view_mode: str = "auto") -> tuple[KVPool, BlockTable, np.ndarray, np.ndarray]:
     """A pool of ``name`` pages whose first table takes every other block; its dense keys and values."""
     pool = KVPool(2 * (num_tokens // block_size + 1), block_size=block_size, num_kv_heads=2,
-                  head_dim=head_dim, dtype=np.float32, key_dtype=name, value_dtype=name)
+                  head_dim=head_dim, dtype=np.float32, key_dtype=name, value_dtype=name, view_mode=view_mode)
     tables = [BlockTable(block_size), BlockTable(block_size)]
     while tables[0].num_tokens < num_tokens:
         for t in tables:
@@ -108,13 +109,131 @@ def test_a_planted_kernel_that_reads_the_next_slot_is_caught(monkeypatch: pytest
     """A kernel that reads slots as if the table were one run breaks only the paged read: must fail."""
     original = jit.scores
 
-    def as_one_run(grouped: Any, keys: Any, slots: Any) -> Any:
-        return original(grouped, keys, slots[0] + np.arange(len(slots)))
+    def as_one_run(grouped: Any, keys: Any, slots: Any, scale_slots: Any) -> Any:
+        return original(grouped, keys, slots[0] + np.arange(len(slots)), scale_slots)
 
     monkeypatch.setattr(jit, "scores", as_one_run)
     with pytest.raises(AssertionError):
         test_compiled_paged_decode_over_a_fragmented_pool_equals_the_recompute_bit_for_bit.hypothesis.inner_test(
             name="int8", num_tokens=12, block_size=2, head_dim=8, group=1, seed=3)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(FORMATS),
+    num_tokens=st.integers(17, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_decode_through_page_views_equals_the_recompute_bit_for_bit(
+    name: str, num_tokens: int, seed: int
+) -> None:
+    """Views: codes mapped in order, scales read by slot from the pool (``scale_slots``), no copy."""
+    rng = np.random.default_rng(seed)
+    pool, table, keys, values = interleaved(name, num_tokens, 16, 128, rng, view_mode="views")
+    query = rng.standard_normal((1, 4, 128)).astype(np.float32)
+    got = attend_sequence(pool, 0, table, None, query, 0.3)
+    expected = reference.attend_window(query[0], list(keys), list(values), scale=0.3, dtype=np.float32,
+                                       key_dtype=name, value_dtype=name)
+    assert_same_bits(got[0], expected)
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3"])
+def test_a_page_view_names_the_pools_scales_and_their_slots(name: str) -> None:
+    """The view's scales are the pool's own, read by slot where attention reads them: nothing copied."""
+    pool, table, _, _ = interleaved(name, 40, 16, 128, np.random.default_rng(0), view_mode="views")
+    assert not table.is_one_run
+    keys, values = pool.read_quantized(0, table, table.live_ranges())
+    for side in (keys, values):
+        assert isinstance(side, QuantizedTokens) and side.slots is None and side.scale_slots is not None
+        assert side.scale_slots.tolist() == table.slot_array(table.live_ranges()).tolist()
+        assert side.shape == (2, 40, 128)
+    assert keys.scales is not None and np.shares_memory(keys.scales, pool.pages._sides(0)[0][1])
+
+
+def stored(name: str, dense: np.ndarray) -> QuantizedTokens:
+    """``dense`` ``(n, H, d)`` quantized token by token, as a pool stores it, head-major."""
+    storage = storage_format(name, dense.shape[-1])
+    codes, scales = storage.quantize(dense)
+    return QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2) if storage.scaled else None,
+                           storage)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(FORMATS),
+    num_tokens=st.integers(3, 60),
+    num_queries=st.integers(9, 16),
+    block_size=st.sampled_from([1, 2, 16]),
+    head_dim=st.sampled_from([8, 64, 128]),
+    chunk=st.integers(1, 9),
+    view_mode=st.sampled_from(["views", "gather"]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit(
+    name: str, num_tokens: int, num_queries: int, block_size: int, head_dim: int, chunk: int, view_mode: str,
+    seed: int,
+) -> None:
+    """A prefill chunk (more query rows than ``FOLD_MAX_ROWS``): chunks widened by the compiled loop."""
+    rng = np.random.default_rng(seed)
+    try:
+        pool, table, keys, values = interleaved(name, num_tokens, block_size, head_dim, rng, view_mode)
+    except ConfigError:  # pages too small to map: views mode is refused
+        return
+    num_queries = min(num_queries, num_tokens)
+    queries = rng.standard_normal((num_queries, 2, head_dim)).astype(np.float32)
+    newest = np.arange(num_tokens - num_queries, num_tokens)
+    mask = np.arange(num_tokens)[None, :] <= newest[:, None]
+    saved, attention.COMPILED_CHUNK_TOKENS = attention.COMPILED_CHUNK_TOKENS, chunk
+    try:
+        got = attend_sequence(pool, 0, table, None, queries, 0.3)
+        expected = attend_chunked_masked(queries, stored(name, keys), stored(name, values), mask, 0.3,
+                                         np.dtype(np.float32))
+    finally:
+        attention.COMPILED_CHUNK_TOKENS = saved
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_compiled_prefill_widens_with_the_compiled_loop_to_the_numpy_values(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled widening runs for a prefill, and gives numpy's decode bit for bit (one rounding)."""
+    rng = np.random.default_rng(0)
+    pool, table, _, _ = interleaved(name, 40, 4, 64, rng)
+    queries = rng.standard_normal((12, 2, 64)).astype(np.float32)
+    calls: list[Any] = []
+    original = jit.decode_into
+
+    def counted(*args: Any) -> Any:
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(jit, "decode_into", counted)
+    attend_sequence(pool, 0, table, None, queries, 0.3)
+    assert calls
+    keys, _ = pool.read_quantized(0, table, table.live_ranges())
+    assert isinstance(keys, QuantizedTokens)
+    widened = np.empty((40, 2, 64), np.float32)
+    attention._decode_compiled(keys, 0, 40, widened)
+    numpy_widened = np.empty((40, 2, 64), np.float32)
+    keys.decode_into(0, 40, numpy_widened)
+    assert_same_bits(widened, numpy_widened)
+
+
+def test_a_planted_prefill_widening_that_reads_the_next_slot_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A widening that reads the slots as one run breaks only the paged prefill: the test must fail."""
+    original = jit.decode_into
+
+    def as_one_run(side: Any, slots: Any, scale_slots: Any, out: Any) -> Any:
+        return original(side, slots[0] + np.arange(len(slots)), scale_slots, out)
+
+    monkeypatch.setattr(jit, "decode_into", as_one_run)
+    with pytest.raises(AssertionError):
+        test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit.hypothesis.inner_test(
+            name="int8", num_tokens=12, num_queries=10, block_size=2, head_dim=64, chunk=4,
+            view_mode="gather", seed=3)
 
 
 def test_an_unknown_kernel_is_refused_and_nothing_changes() -> None:
@@ -157,7 +276,8 @@ def test_every_storable_code_widens_to_its_exact_value(name: str) -> None:
     codes = raw[:num_codes].reshape(1, 1, num_codes)
     scales = None if name in ("float16", "bfloat16") else np.ones((1, 1, num_codes // 32), np.float32)
     weights = np.ones((1, 1, 1), np.float32)
-    got = jit.weighted_values(weights, (name, codes, scales), np.zeros(1, np.intp), num_codes)
+    slot = np.zeros(1, np.intp)
+    got = jit.weighted_values(weights, (name, codes, scales), slot, slot, num_codes)
     # The sum starts at +0.0, so -0.0 comes out as +0.0 (as a matmul's would).
     assert_same_bits(got.reshape(-1), exact[:num_codes] + np.float32(0.0))
 
