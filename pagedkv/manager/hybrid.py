@@ -184,11 +184,8 @@ class HybridKVCacheManager:
         self.num_layers = layout.num_layers
         self.num_q_heads = managers[0].num_q_heads
         self.scale = managers[0].scale
-        # Model layer -> (group's manager, its pool layer): write and attend read it once a call.
-        self._where = [
-            (managers[index], slot)
-            for index, slot in (layout.locate(layer) for layer in range(self.num_layers))
-        ]
+        # Model layer -> (group index, its pool layer): write and attend read it once a call.
+        self._where = [layout.locate(layer) for layer in range(self.num_layers)]
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- queries
@@ -289,9 +286,7 @@ class HybridKVCacheManager:
             first = self.groups[0]
             num_hit = None
             if first.prefix_caching and prompt is not None:
-                # Validate once (first group) before any group changes.
-                first.lookup(prompt, extra_keys=extra_keys, max_cached_tokens=0)
-                num_hit = self._common_hit(prompt, extra_keys)
+                num_hit = self._common_hit(prompt, extra_keys)  # its lookups validate before any change
             added: list[KVCacheManager] = []
             try:
                 for manager in self.groups:
@@ -347,8 +342,8 @@ class HybridKVCacheManager:
             LayerIndexError, SequenceStateError, ShapeError, InputTypeError,
             NonFiniteError: as ``KVCacheManager.write``.
         """
-        manager, slot = self.locate(layer)
-        manager.write(slot, _group_batch(batch, self.groups.index(manager)), keys, values)
+        index, slot = self._group_of(layer)
+        self.groups[index].write(slot, _group_batch(batch, index), keys, values)
 
     def attend(
         self, layer: int, batch: GroupBatch, queries: Any, *, method: str = "loop", scale: float | None = None
@@ -358,10 +353,9 @@ class HybridKVCacheManager:
         Raises:
             as ``KVCacheManager.attend``.
         """
-        manager, slot = self.locate(layer)
-        return manager.attend(
-            slot, _group_batch(batch, self.groups.index(manager)), queries, method=method, scale=scale
-        )
+        index, slot = self._group_of(layer)
+        group_batch = _group_batch(batch, index)
+        return self.groups[index].attend(slot, group_batch, queries, method=method, scale=scale)
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Start ``child`` as a copy of ``parent`` in every group (copy-on-write per group).
@@ -530,10 +524,19 @@ class HybridKVCacheManager:
     def __reduce__(self) -> NoReturn:
         refuse_pickling(self)
 
-    # ---------------------------------------------------------------- private
-
     def locate(self, layer: int) -> tuple[KVCacheManager, int]:
         """The group's manager and the pool layer that hold model layer ``layer``.
+
+        Raises:
+            LayerIndexError: ``layer`` is not a model layer.
+        """
+        index, slot = self._group_of(layer)
+        return self.groups[index], slot
+
+    # ---------------------------------------------------------------- private
+
+    def _group_of(self, layer: int) -> tuple[int, int]:
+        """``(group index, pool layer)`` of model layer ``layer``.
 
         Raises:
             LayerIndexError: ``layer`` is not a model layer.
