@@ -211,7 +211,7 @@ class KVCacheManager:
         self._scan_index = np.empty((), np.intp)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._sharing = (
-            PrefixSharing(pool, config, _shared_prefix_cache(pool, share_pool_with))
+            PrefixSharing(pool, config, _shared_prefix_sharing(pool, share_pool_with))
             if config.enable_prefix_caching
             else None
         )
@@ -1084,8 +1084,8 @@ def _tiering(
     return DeviceTiering(pool, tiers, TierWorker(tiers) if tiers.stores else None)
 
 
-def _shared_prefix_cache(pool: KVPool, other: KVCacheManager | None) -> PrefixCache | None:
-    """The prefix cache of ``other`` (a manager on ``pool``) for a new one to run beside, or None.
+def _shared_prefix_sharing(pool: KVPool, other: KVCacheManager | None) -> PrefixSharing | None:
+    """The prefix sharing of ``other`` (a manager on ``pool``) for a new one to run beside, or None.
 
     Raises:
         InputTypeError: ``other`` is not a KVCacheManager.
@@ -1095,9 +1095,9 @@ def _shared_prefix_cache(pool: KVPool, other: KVCacheManager | None) -> PrefixCa
         return None
     if not isinstance(other, KVCacheManager):
         raise InputTypeError(f"share_pool_with must be a KVCacheManager, got {type(other).__name__}")
-    if other.pool is not pool or other.prefix_cache is None:
+    if other.pool is not pool or other._sharing is None:
         raise ConfigError("share_pool_with must be a prefix-caching manager on the same pool")
-    return other.prefix_cache
+    return other._sharing
 
 
 def _release_manager(

@@ -39,6 +39,15 @@ from pagedkv.tiers.worker import PendingLoad
 __all__ = ["AdmissionPlan", "PrefixSharing", "plan_admission"]
 
 
+class _KeyMemo:
+    """The last prompt hashed from scratch: ``(extras, its packed full blocks, their keys)``, or None."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple[bytes, bytes, list[bytes]] | None = None
+
+
 class PrefixSharing:
     """One manager's prefix cache and the rules that tie it to sequences.
 
@@ -69,15 +78,17 @@ class PrefixSharing:
             always shared), the window that frees blocks, its layers (a hit
             counts as written in every one), the block hash's name and the
             bound of the KV event buffer (none when 0).
-        share_with: the prefix cache of another KV-cache group on the same pool.
+        share_with: the prefix sharing of another KV-cache group on the same pool:
+            its cache runs beside this one's, and a prompt's keys are hashed once for both.
 
     Raises:
         ConfigError: an unknown hash, or the allocator already runs a prefix cache.
         ImportError: ``"xxh3_128"`` without the ``xxhash`` extra.
     """
 
-    def __init__(self, pool: KVPool, config: ManagerConfig, share_with: PrefixCache | None = None) -> None:
+    def __init__(self, pool: KVPool, config: ManagerConfig, share_with: PrefixSharing | None = None) -> None:
         allocator = pool.allocator
+        self._hash_algorithm = config.hash_algorithm
         self._hasher = hash_function(config.hash_algorithm)
         self._allocator = allocator
         self._block_size = pool.block_size
@@ -85,7 +96,8 @@ class PrefixSharing:
         self._window = config.window
         self._num_layers = config.num_layers
         #: The key -> block map itself.
-        self.cache = PrefixCache(allocator, share_with=share_with)
+        beside: PrefixCache | None = None if share_with is None else share_with.cache
+        self.cache: PrefixCache = PrefixCache(allocator, share_with=beside)
         self.cache.events = (
             KVEventBuffer(config.kv_events, sliding_window=config.window) if config.kv_events else None
         )
@@ -95,8 +107,11 @@ class PrefixSharing:
         self.tiering: DeviceTiering | None = None
         #: Prompt tokens loaded from the tiers (each also counted as a prefix hit).
         self.num_tier_hits = 0
-        # The last prompt hashed from scratch: (extras, its packed full blocks, their keys).
-        self._memo: tuple[bytes, bytes, list[bytes]] | None = None
+        # The last prompt hashed from scratch; shared with the KV-cache groups beside this one
+        # (same pool, same hash: the same keys), so a hybrid admission hashes each block once.
+        self._memo: _KeyMemo = _KeyMemo()
+        if share_with is not None and share_with._hash_algorithm == config.hash_algorithm:
+            self._memo = share_with._memo
 
     def attach_tiers(self, tiering: DeviceTiering) -> None:
         """Evicted keyed blocks go to ``tiering``; admissions look past the device hit into it.
@@ -158,7 +173,7 @@ class PrefixSharing:
             return keys
         bs = self._block_size
         step = 8 * bs
-        memo = self._memo
+        memo = self._memo.entry
         if (
             memo is not None and not keys and memo[0] == extras and len(memo[2]) >= num_usable
             and tokens[: step * num_usable] == memo[1][: step * num_usable]
@@ -169,7 +184,7 @@ class PrefixSharing:
             parent, tokens[step * len(keys) : step * num_usable], bs, extras, self._hasher, len(keys)
         )
         if not known:
-            self._memo = (extras, tokens[: step * num_usable], keys)
+            self._memo.entry = (extras, tokens[: step * num_usable], keys)
         return keys
 
     def find_hit(self, keys: list[bytes]) -> tuple[int, int, list[int]]:

@@ -305,3 +305,22 @@ def test_a_router_index_fed_one_groups_events_holds_that_groups_keys():
         assert group.kv_events is not None
         assert set(index.parent_of) == group.kv_events.keyed_hashes
     assert len(indexes[0]) >= len(indexes[1])  # the window group keeps fewer blocks
+
+
+def test_a_hybrid_admission_hashes_each_prompt_block_once_for_every_group(monkeypatch):
+    """The groups key blocks alike (same pool, same hash): one hashing serves the fixed point and
+    every group's admission."""
+    import pagedkv.manager.prefix_sharing as sharing_module
+
+    calls = []
+    original = sharing_module.block_keys
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    manager = hybrid(GEMMA3_270M, num_blocks=400, block_size=16, enable_prefix_caching=True)
+    monkeypatch.setattr(sharing_module, "block_keys", counted)
+    prompt = list(range(1, 500))
+    assert manager.add_sequence("a", prompt) == 0
+    assert len(manager.groups) == 6 and len(calls) == 1
