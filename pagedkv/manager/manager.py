@@ -558,6 +558,15 @@ class KVCacheManager:
         self.pool.allocator.free(released)
 
     @locked
+    def check_truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Raise what ``truncate(seq_id, num_tokens)`` would raise; change nothing.
+
+        Raises:
+            as ``truncate``.
+        """
+        self._get(seq_id).check_truncate(num_tokens, self.max_size)
+
+    @locked
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its blocks back, tail first.
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from support.managers import ceil_div
 from support.windows import visible
 
-from pagedkv import KVCacheManager, PoolExhaustedError, SequenceState
+from pagedkv import KVCacheManager, KVPool, PoolExhaustedError, SequenceState, SequenceStateError
 from pagedkv.reference import attend_window
 from pagedkv.testing.oracle import FLOAT32_EPS, FLOAT64_EPS, attend, within_tolerance
 
@@ -729,3 +729,21 @@ def test_many_sequences_in_one_batch_each_see_only_their_own_tokens() -> None:
     for step in range(5):
         driver.step({s: 1 + (i + step) % 3 for i, s in enumerate(names)})
     driver.m.check_invariants()
+
+
+def test_check_truncate_refuses_what_truncate_refuses_and_changes_nothing() -> None:
+    manager = KVCacheManager(KVPool(8, block_size=2, head_dim=1), max_size=2)
+    manager.add_sequence("a")
+    for n in (6, 1):
+        batch = manager.reserve({"a": n})
+        manager.write(0, batch, np.ones((n, 1, 1)), np.ones((n, 1, 1)))
+    def state() -> tuple[int, list[int], int]:
+        return manager.num_tokens("a"), manager.block_table("a").block_ids, manager.pool.num_free_blocks
+
+    before = state()
+    for call in (manager.check_truncate, manager.truncate):
+        with pytest.raises(SequenceStateError, match="already left the"):
+            call("a", 2)  # token 2 would attend to token 1, long evicted
+    assert state() == before
+    manager.check_truncate("a", 6)  # token 6 sees 5..6: still held
+    assert manager.num_tokens("a") == 7

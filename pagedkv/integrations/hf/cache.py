@@ -411,9 +411,7 @@ class PagedCache(_Cache):  # type: ignore[misc]
         self._check_settled("crop")
         kept = columns - num_removed
         pads = self._rows.num_pads
-        manager = self.manager
-        window = None if isinstance(manager, HybridKVCacheManager) else manager.max_size
-        self._rows.truncate([max(0, kept - num_pads) for num_pads in pads], window)
+        self._rows.truncate([max(0, kept - num_pads) for num_pads in pads])
         self._rows.num_pads = [min(num_pads, kept) for num_pads in pads]
         for layer in self.spec.storing_layers:
             self._num_columns[layer] = kept

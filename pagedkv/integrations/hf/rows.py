@@ -80,32 +80,24 @@ class RowSequences:
         self.num_pads = [self.num_pads[source] for source in sources]
         self.seq_ids = new_ids
 
-    def truncate(self, num_tokens: Sequence[int], window: int | None) -> None:
+    def truncate(self, num_tokens: Sequence[int]) -> None:
         """Keep the first ``num_tokens[row]`` tokens of each row, all rows or none.
 
-        Args:
-            num_tokens: tokens to keep per row.
-            window: the largest layer window; the next token must still see
-                every token of its window, so none of them may be evicted.
+        Every row is checked (``check_truncate``: the next token must still see
+        every token of its window, in every KV-cache group) before any is cut.
 
         Raises:
-            SequenceStateError: some row would keep (or need) tokens its window already evicted.
+            SequenceStateError: some row would need tokens its window already evicted.
         """
         manager = self.manager
-        if isinstance(manager, HybridKVCacheManager):  # each group checks its own window
-            for seq_id, keep in zip(self.seq_ids, num_tokens):
-                manager.check_truncate(seq_id, keep)
-            for seq_id, keep in zip(self.seq_ids, num_tokens):
-                manager.truncate(seq_id, keep)
-            return
         for seq_id, keep in zip(self.seq_ids, num_tokens):
-            held_from = manager.window_start(seq_id)
-            needed_from = keep if window is None else max(0, keep + 1 - window)
-            if keep < manager.num_tokens(seq_id) and held_from > needed_from:
+            try:
+                manager.check_truncate(seq_id, keep)
+            except SequenceStateError as error:
                 raise SequenceStateError(
-                    f"cannot crop sequence {seq_id!r} to {keep} tokens: its window already evicted tokens "
-                    f"before {held_from}, and the next token needs them from {needed_from}"
-                )
+                    f"cannot crop sequence {seq_id!r} to {keep} tokens: its window already evicted "
+                    f"tokens the next one needs ({error})"
+                ) from error
         for seq_id, keep in zip(self.seq_ids, num_tokens):
             manager.truncate(seq_id, keep)
 
