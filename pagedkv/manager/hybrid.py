@@ -30,7 +30,7 @@ from pagedkv.manager.manager import KVCacheManager
 from pagedkv.manager.metrics import ManagerMetrics
 from pagedkv.manager.prefix_sharing import AdmissionPlan
 from pagedkv.manager.reserve import Batch, Requests, ReservationPlan
-from pagedkv.manager.sequence import ManagerState, SequenceState, check_settled
+from pagedkv.manager.sequence import ManagerState, SequenceState, check_settled, is_settled
 from pagedkv.memory.pool import KVPool
 from pagedkv.prefix.events import KVEvent
 from pagedkv.prefix.keys import ExtraKeys
@@ -317,6 +317,8 @@ class HybridKVCacheManager:
         """
         with self._lock:
             requests = _stable(requests)
+            if self._surely_fits(requests):  # the common step: no plan needed, any order fits
+                return GroupBatch(tuple(group.reserve(requests) for group in self.groups))
             plans, total = self._plan(requests)
             if not total.fits:
                 raise PoolExhaustedError(
@@ -544,6 +546,31 @@ class HybridKVCacheManager:
         if layer.__class__ is not int or not 0 <= layer < self.num_layers:
             check_layer(layer, self.num_layers)
         return self._where[layer]
+
+    def _surely_fits(self, requests: Requests) -> bool:
+        """Whether every group's reservation of ``requests`` must succeed, whatever the order.
+
+        True when each sequence is known and settled in every group (so no
+        group can refuse what the first accepted) and the free blocks cover
+        the most any group could take: per sequence, the blocks of its new
+        tokens plus one copy on write. Anything else (a bad request included)
+        is False, and ``reserve`` plans every group first.
+        """
+        pairs = requests.items() if isinstance(requests, dict) else requests
+        block_size, bound = self.pool.block_size, 0
+        try:
+            for seq_id, value in pairs:
+                count = value if isinstance(value, int) else len(value)
+                if count < 1:
+                    return False
+                for group in self.groups:
+                    record = group._seqs.get(seq_id)
+                    if record is None or not is_settled(record):
+                        return False
+                bound += -(-count // block_size) + 1
+        except (TypeError, ValueError):
+            return False
+        return bound * len(self.groups) <= self.pool.num_free_blocks
 
     def _plan(self, requests: Requests) -> tuple[list[ReservationPlan], ReservationPlan]:
         """Each group's plan and their sum (validation errors come from the first group)."""

@@ -324,3 +324,19 @@ def test_a_hybrid_admission_hashes_each_prompt_block_once_for_every_group(monkey
     prompt = list(range(1, 500))
     assert manager.add_sequence("a", prompt) == 0
     assert len(manager.groups) == 6 and len(calls) == 1
+
+
+def test_a_reservation_refused_by_one_group_changes_no_group():
+    """A sequence whose window layer has not written its tokens: every group refuses, before any
+    group reserved (the pool has room for all, so only the check stops it)."""
+    manager = hybrid([4, None], num_blocks=64)
+    manager.add_sequence("a")
+    batch = manager.reserve({"a": 3})
+    manager.write(1, batch, np.ones((3, 1, 2)), np.ones((3, 1, 2)))  # the full layer only
+    before = snapshot(manager)
+    with pytest.raises(SequenceStateError):
+        manager.reserve({"a": 1})
+    assert snapshot(manager) == before
+    manager.write(0, batch, np.ones((3, 1, 2)), np.ones((3, 1, 2)))
+    step(manager, {"a": 1})  # settled: it fits without planning
+    manager.check_invariants()
