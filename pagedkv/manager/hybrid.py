@@ -175,6 +175,9 @@ class HybridKVCacheManager:
                     share_pool_with=managers[0] if managers and enable_prefix_caching else None,
                 )
             )
+        for index, manager in enumerate(managers):  # events say their group, as vLLM's do
+            if manager.kv_events is not None:
+                manager.kv_events.group_idx = index
         self.pool = pool
         self.host_pool = host_pool
         self.layout = layout
@@ -473,6 +476,9 @@ class HybridKVCacheManager:
 
     def drain_kv_events(self) -> list[tuple[int, KVEvent]]:
         """Every group's KV events since the last drain, as ``(group, event)`` pairs, group by group.
+
+        ``BlockStored`` and ``BlockRemoved`` carry the group as ``group_idx`` too; the pair also
+        places a group's ``AllBlocksCleared`` (a resync of that group alone).
 
         Raises:
             ConfigError: events are off.

@@ -47,7 +47,7 @@ class BlockStored:
         medium: the storage tier, ``"GPU"``.
         lora_name: the ``adapter`` extra key when it is a str.
         extra_keys: per-block extra keys (not reported by pagedkv: None).
-        group_idx: the KV cache group (pagedkv has one: None).
+        group_idx: the KV-cache group (a hybrid manager's), else None.
         kv_cache_spec_kind: ``"full_attention"`` or ``"sliding_window"``.
         kv_cache_spec_sliding_window: the window, for a sliding-window manager.
         locality, ownership, session_id, lookahead_token_ids: vLLM fields
@@ -78,7 +78,8 @@ class BlockRemoved:
     Attributes:
         block_hashes: the keys dropped.
         medium: the storage tier, ``"GPU"``.
-        group_idx, locality, ownership: vLLM fields pagedkv has no value for (None).
+        group_idx: the KV-cache group (a hybrid manager's), else None.
+        locality, ownership: vLLM fields pagedkv has no value for (None).
     """
 
     block_hashes: list[bytes]
@@ -138,6 +139,9 @@ class KVEventBuffer:
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS, *, sliding_window: int | None = None) -> None:
         self.max_events = check_count("max_events", max_events)
         self.sliding_window = sliding_window
+        #: The KV-cache group whose blocks this buffer reports (``BlockStored`` / ``BlockRemoved``
+        #: ``group_idx``, as vLLM's hybrid manager sends it); None for a manager of one group.
+        self.group_idx: int | None = None
         self._events: deque[KVEvent] = deque()
         # Each keyed hash -> (the BlockStored that reported it, its index in that event's block_hashes).
         self._keyed: dict[bytes, tuple[BlockStored, int]] = {}
@@ -195,6 +199,7 @@ class KVEventBuffer:
             lora_name=adapter if isinstance(adapter, str) else None,
             kv_cache_spec_kind="sliding_window" if windowed else "full_attention",
             kv_cache_spec_sliding_window=self.sliding_window,
+            group_idx=self.group_idx,
         )
         for index, block_hash in enumerate(block_hashes):
             self._keyed[block_hash] = (event, index)
@@ -203,7 +208,7 @@ class KVEventBuffer:
     def removed(self, block_hash: bytes) -> None:
         """Record that the block keyed ``block_hash`` lost its key."""
         self._keyed.pop(block_hash, None)
-        self._record(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU))
+        self._record(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU, group_idx=self.group_idx))
 
     def cleared(self) -> None:
         """Record that every key was dropped."""

@@ -260,6 +260,7 @@ def test_kv_events_carry_their_group():
     step(manager, {"a": [1, 2, 3, 4, 5]})
     events = manager.drain_kv_events()
     assert {group for group, _ in events} == {0, 1}
+    assert all(event.group_idx == group for group, event in events if hasattr(event, "group_idx"))
 
 
 def test_a_single_group_hybrid_behaves_as_a_plain_manager():
