@@ -19,6 +19,7 @@ import numpy.typing as npt
 from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.counts import ChunkedWindow
 from pagedkv.errors import ConfigError
+from pagedkv.kernels.rows import head_planes, plane_stride, row_padded
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 
@@ -287,11 +288,13 @@ def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.ND
     """
     if isinstance(tokens, QuantizedTokens):
         heads, _, head_dim = tokens.shape
+        if _widens_compiled(dtype):  # head-major: each head's plane contiguous for BLAS
+            size = heads * plane_stride((end - start) * head_dim)
+            widened = head_planes(scratch_buffer("chunk", dtype, (size,)), heads, end - start, head_dim)
+            _decode_compiled(tokens, start, end, widened)
+            return widened
         out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
-        if _widens_compiled(dtype):
-            _decode_compiled(tokens, start, end, out)
-        else:
-            tokens.decode_into(start, end, out)
+        tokens.decode_into(start, end, out)
         heads_first: npt.NDArray[np.floating] = out.transpose(1, 0, 2)
         return heads_first
     return tokens[:, start:end]
@@ -374,7 +377,10 @@ def _scores(
     """
     num_kv_heads, num_tokens, head_dim = keys.shape
     num_rows = grouped.shape[1]
-    scores = np.empty((num_kv_heads, num_rows, num_tokens), dtype)
+    # NOTE: many rows (a prefill chunk) are written a chunk of columns at a
+    # time, which stalls on rows a multiple of 4 KiB apart (pagedkv.kernels.rows).
+    shape = (num_kv_heads, num_rows, num_tokens)
+    scores = row_padded(shape, dtype) if num_rows > FOLD_MAX_ROWS else np.empty(shape, dtype)
     if _folds(keys, num_rows):
         assert isinstance(keys, QuantizedTokens)
         num_groups = keys.storage.num_groups
@@ -462,22 +468,31 @@ def _decode_compiled(tokens: QuantizedTokens, start: int, end: int, out: npt.NDA
     from pagedkv.kernels import jit
 
     slots, scale_slots = _compiled_slots(tokens)
-    side = (tokens.storage.name, tokens.codes.transpose(1, 0, 2),
-            None if tokens.scales is None else tokens.scales.transpose(1, 0, 2))
-    jit.decode_into(side, slots[start:end], scale_slots[start:end], out)
+    codes = tokens.codes.transpose(1, 0, 2)
+    scales = None if tokens.scales is None else tokens.scales.transpose(1, 0, 2)
+    if slots is None:  # the chunk's rows, in order
+        codes = codes[start:end]
+    else:
+        slots = slots[start:end]
+    if scale_slots is None:
+        scales = None if scales is None else scales[start:end]
+    else:
+        scale_slots = scale_slots[start:end]
+    jit.decode_into((tokens.storage.name, codes, scales), slots, scale_slots, out)
 
 
-def _compiled_slots(tokens: QuantizedTokens) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-    """Where the compiled kernels read each token's codes and its scales (``QuantizedTokens``'s slots)::
+def _compiled_slots(
+    tokens: QuantizedTokens,
+) -> tuple[npt.NDArray[np.intp] | None, npt.NDArray[np.intp] | None]:
+    """Where the compiled kernels read each token's codes and its scales (None: row ``t`` is token ``t``)::
 
-        stored tokens:   codes 0 1 2 ..   scales 0 1 2 ..
+        stored tokens:   codes in order   scales in order
         by slot:         codes slots      scales slots
-        page view:       codes 0 1 2 ..   scales slots     (codes mapped, scales read by slot)
+        page view:       codes in order   scales slots     (codes mapped, scales read by slot)
     """
     if tokens.slots is not None:
         return tokens.slots, tokens.slots
-    in_order = np.arange(tokens.shape[1])
-    return in_order, in_order if tokens.scale_slots is None else tokens.scale_slots
+    return None, tokens.scale_slots
 
 
 def _attend_compiled(

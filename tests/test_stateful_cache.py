@@ -482,7 +482,10 @@ def hunt_settings() -> settings:
         database=None,
         derandomize=True,  # the same hunt every run: the test cannot flake
         report_multiple_bugs=False,
-        phases=[Phase.generate, Phase.shrink],
+        # NOTE: no shrink phase. A hunt proves only that the machine fails; each bug
+        # fails within its first 60 examples (under 0.1 s), and shrinking took 95%
+        # of the hunts' time (7.5 s of 7.8) for a report pytest.raises throws away.
+        phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
 

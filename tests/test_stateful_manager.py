@@ -32,6 +32,7 @@ possible, check the error type and that nothing changed. After every step
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections import Counter
 from collections.abc import Hashable
@@ -760,11 +761,13 @@ class ManagerMachine(RuleBasedStateMachine):
 # NOTE: scaled from the loaded profile (quick or ci), not fixed: each example
 # is cheap (a few ms), and copy-on-write or a stale pending batch needs a fork
 # or a partial write followed by the right reservation, which short runs rarely
-# reach. Quick: 100 examples of up to 50 steps, a few seconds.
+# reach. CI: 4x its examples (800) of up to 70 steps. Quick: 2x (50 examples of
+# up to 50 steps, about 1.5 s), to keep plain pytest under two minutes.
 _profile = settings()
+_EXAMPLES_FACTOR = 4 if os.environ.get("PAGEDKV_HYPOTHESIS_PROFILE") == "ci" else 2
 ManagerMachine.TestCase.settings = settings(
     _profile,
-    max_examples=4 * _profile.max_examples,
+    max_examples=_EXAMPLES_FACTOR * _profile.max_examples,
     stateful_step_count=_profile.stateful_step_count + 20,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

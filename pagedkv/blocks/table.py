@@ -583,6 +583,16 @@ class BlockTable:
         if not ranges:
             return np.empty(0, np.intp)
         block_size, sink_ids, first_window = self.block_size, self._sink_ids, self._first_block
+        start, end = ranges[0]
+        if len(ranges) == 1 and start // block_size >= first_window and start < end:
+            # One range of window blocks (a decode's read): block by block, one
+            # array the size of the result (the general form below makes eight).
+            first, last = start // block_size - first_window, (end - 1) // block_size - first_window
+            ids = np.fromiter(islice(self._ids, first, last + 1), np.intp, last + 1 - first)
+            by_block = (ids * block_size)[:, None] + np.arange(block_size)
+            offset = start % block_size
+            run: npt.NDArray[np.intp] = by_block.reshape(-1)[offset : offset + end - start]
+            return run
         ids = np.array([*sink_ids, *self._ids], np.intp)
         positions = np.concatenate([np.arange(start, end) for start, end in ranges])
         logical_block = positions // block_size

@@ -192,16 +192,24 @@ def prefetch(typingctx: Any, array: Any, byte_offset: Any) -> Any:
 
 
 @numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
-def prefetch_row(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: int) -> None:
+def slot_of(slots: Any, token: int) -> Any:
+    """Token ``token``'s slot: ``slots[token]``, or ``token`` itself where ``slots`` is empty (in order)."""
+    if slots.shape[0] == 0:
+        return token
+    return slots[token]
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def prefetch_row(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: int, num_tokens: int) -> None:
     """Prefetch token ``token``'s codes and scales, ``PREFETCH_TOKENS`` ahead of their use."""
-    if token < slots.shape[0]:
-        slot = slots[token]
+    if token < num_tokens:
+        slot = slot_of(slots, token)
         row_size = codes.shape[1] * codes.shape[2] * codes.itemsize
         for line in range(0, row_size, 64):
             prefetch(codes, slot * row_size + line)
         scale_size = scales.shape[1] * 4
         for line in range(0, scale_size, 64):
-            prefetch(scales, scale_slots[token] * scale_size + line)
+            prefetch(scales, slot_of(scale_slots, token) * scale_size + line)
 
 
 FLOATS = ir.VectorType(ir.FloatType(), GROUP)
@@ -221,37 +229,38 @@ reassociating = numba.njit(cache=True, nogil=True, error_model="numpy", boundsch
 # contiguous load into a gather (measured: 5 ms against 1 ms per 8k keys).
 # widen_row is inlined by numba (no call, no reference counts per row).
 @numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
-def widen_row(fmt: int, codes: Any, scales: Any, slot: int, scale_slot: int, out: Any) -> None:
-    """Slot ``slot``'s codes into ``out`` ``(H * G, group_size)`` as ``code * scale`` (exact, one rounding).
+def widen_row(fmt: int, codes: Any, scales: Any, slot: int, scale_slot: int, out: Any, start: int,
+              head_stride: int, groups_per_head: int) -> None:
+    """Slot ``slot``'s codes as ``code * scale`` (exact, one rounding), head h at ``start + h * head_stride``.
 
-    The scales are ``scale_slot``'s (``slot`` itself unless the codes are a mapped copy).
+    The scales are ``scale_slot``'s (``slot`` itself unless the codes are a
+    mapped copy); ``out`` is flat, each head's ``head_dim`` values contiguous.
 
     ``codes`` is ``(num_slots, H * G, group_size)`` and ``scales``
     ``(num_slots, H * G)`` (G = 1 and no scales for a scale-free format).
     Each format's inner loop runs over contiguous codes with nothing else
     in it, so LLVM vectorizes it; the bit tricks are ``StorageFormat.widen_into``'s.
     """
-    num_groups, group_size = out.shape
-    if fmt == 3:  # bfloat16: the top half of a float32
-        for group in range(num_groups):
+    num_groups, group_size = codes.shape[1], codes.shape[2]
+    for group in range(num_groups):
+        first = start + (group // groups_per_head) * head_stride + (group % groups_per_head) * group_size
+        target = out[first : first + group_size]  # indexed from 0 (see the NOTE above)
+        if fmt == 3:  # bfloat16: the top half of a float32
             for j in range(group_size):
                 code = np.uint32(np.uint16(codes[slot, group, j]))
-                out[group, j] = float32_from_bits(code << np.uint32(16))
-    elif fmt == 2:  # float16: the hardware conversion (exact)
-        for group in range(num_groups):
+                target[j] = float32_from_bits(code << np.uint32(16))
+        elif fmt == 2:  # float16: the hardware conversion (exact)
             for j in range(group_size):
-                out[group, j] = float32_from_float16_bits(codes[slot, group, j])
-    elif fmt == 0:  # int8: the cast is exact; times the group's scale
-        for group in range(num_groups):
+                target[j] = float32_from_float16_bits(codes[slot, group, j])
+        elif fmt == 0:  # int8: the cast is exact; times the group's scale
             group_scale = scales[scale_slot, group]
             for j in range(group_size):
-                out[group, j] = np.float32(codes[slot, group, j]) * group_scale
-    else:  # fp8 e4m3: sign-extended, << 20, sign and exponent masked, rebiased by 2^120
-        for group in range(num_groups):
+                target[j] = np.float32(codes[slot, group, j]) * group_scale
+        else:  # fp8 e4m3: sign-extended, << 20, sign and exponent masked, rebiased by 2^120
             group_scale = scales[scale_slot, group]
             for j in range(group_size):
                 bits = np.uint32((np.int32(codes[slot, group, j]) << 20) & 0x87FFFFFF)
-                out[group, j] = (float32_from_bits(bits) * np.float32(2.0**120)) * group_scale
+                target[j] = (float32_from_bits(bits) * np.float32(2.0**120)) * group_scale
 
 
 @reassociating  # type: ignore[misc, unused-ignore]
@@ -286,66 +295,72 @@ def dot_float16(queries: Any, head: int, row: int, codes: Any, slot: int) -> Any
 def scores_into(
     queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
 ) -> None:
-    """``out[t, h, r] = queries[h, r] . key(t, h)``, one token row at a time, in logical order.
+    """``out[h, r, t] = queries[h, r] . key(t, h)``, one token row at a time, in logical order.
 
+    ``slots`` (``scale_slots``) empty: token ``t``'s codes (scales) are row ``t``.
     float16 and bfloat16 codes are widened inside the dot product; int8 and
     fp8 ones in groups of 32 by :func:`scaled_dot_intrinsic` (numba's own
     32-long loops do not fill LLVM's vector loop: measured 1.8x slower);
     other group sizes through a 4 KiB buffer (``widen_row``) and :func:`dot`.
-    NOTE: token-major ``out``: head-major rows would lie ``num_tokens * 4``
-    bytes apart, each token's stores in one L1 set.
+    NOTE: ``out``'s head rows must not lie a multiple of 4 KiB apart (each
+    token's stores would share one L1 set): :func:`pagedkv.kernels.jit.scores` pads them.
     """
     num_kv_heads, num_rows, head_dim = queries.shape
+    num_tokens = out.shape[2]
     if fmt == 3 or fmt == 2:  # bfloat16, float16: codes (num_slots, H, d)
-        for token in range(slots.shape[0]):
-            slot = slots[token]
+        for token in range(num_tokens):
+            slot = slot_of(slots, token)
             for head in range(num_kv_heads):
                 for row in range(num_rows):
                     if fmt == 3:
-                        out[token, head, row] = dot_bfloat16(queries, head, row, codes, slot)
+                        out[head, row, token] = dot_bfloat16(queries, head, row, codes, slot)
                     else:
-                        out[token, head, row] = dot_float16(queries, head, row, codes, slot)
+                        out[head, row, token] = dot_float16(queries, head, row, codes, slot)
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the sums
-        for token in range(slots.shape[0]):
-            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
-            slot, scale_slot = slots[token], scale_slots[token]
+        for token in range(num_tokens):
+            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+            slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
                 scale_first = (scale_slot * num_kv_heads + head) * num_groups
                 for row in range(num_rows):
                     query_start = (head * num_rows + row) * head_dim
                     if fmt == 0:
-                        out[token, head, row] = dot_int8(queries, query_start, codes, first * 32, scales,
+                        out[head, row, token] = dot_int8(queries, query_start, codes, first * 32, scales,
                                                          scale_first, num_groups)
                     else:
-                        out[token, head, row] = dot_float8(queries, query_start, codes, first * 32, scales,
+                        out[head, row, token] = dot_float8(queries, query_start, codes, first * 32, scales,
                                                            scale_first, num_groups)
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)  # 4 KiB at H=8, d=128
-    groups = buffer.reshape(codes.shape[1], codes.shape[2])
     widened = buffer.reshape(num_kv_heads, head_dim)
-    for token in range(slots.shape[0]):
-        widen_row(fmt, codes, scales, slots[token], scale_slots[token], groups)
+    for token in range(num_tokens):
+        widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), buffer, 0, head_dim,
+                  num_groups)
         for head in range(num_kv_heads):
             for row in range(num_rows):
-                out[token, head, row] = dot(queries, head, row, widened)
+                out[head, row, token] = dot(queries, head, row, widened)
 
 
 @jit  # type: ignore[misc, unused-ignore]
 def weighted_values_into(
     weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
 ) -> None:
-    """``out[h, r] = sum_t weights[t, h, r] * value(t, h)``, one token row at a time, in logical order."""
+    """``out[h, r] = sum_t weights[h, r, t] * value(t, h)``, one token row at a time, in logical order.
+
+    ``slots`` and ``scale_slots`` as in :func:`scores_into`.
+    """
     num_kv_heads, num_rows, head_dim = out.shape
+    num_tokens = weights.shape[2]
     out[:] = 0.0
     if fmt == 3 or fmt == 2:  # bfloat16, float16: widened in the loop
-        for token in range(slots.shape[0]):
-            slot = slots[token]
+        for token in range(num_tokens):
+            slot = slot_of(slots, token)
             for head in range(num_kv_heads):
                 for row in range(num_rows):
-                    weight = weights[token, head, row]
+                    weight = weights[head, row, token]
                     if fmt == 3:
                         for j in range(head_dim):
                             out[head, row, j] += weight * float32_from_bits(
@@ -356,14 +371,14 @@ def weighted_values_into(
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the weights
-        for token in range(slots.shape[0]):
-            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
-            slot, scale_slot = slots[token], scale_slots[token]
+        for token in range(num_tokens):
+            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+            slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
                 scale_first = (scale_slot * num_kv_heads + head) * num_groups
                 for row in range(num_rows):
-                    weight = weights[token, head, row]
+                    weight = weights[head, row, token]
                     out_start = (head * num_rows + row) * head_dim
                     if fmt == 0:
                         axpy_int8(out, out_start, weight, codes, first * 32, scales, scale_first, num_groups)
@@ -372,25 +387,29 @@ def weighted_values_into(
                                     num_groups)
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)
-    groups = buffer.reshape(codes.shape[1], codes.shape[2])
     widened = buffer.reshape(num_kv_heads, head_dim)
-    for token in range(slots.shape[0]):
-        widen_row(fmt, codes, scales, slots[token], scale_slots[token], groups)
+    for token in range(num_tokens):
+        widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), buffer, 0, head_dim,
+                  num_groups)
         for head in range(num_kv_heads):
             for row in range(num_rows):
-                weight = weights[token, head, row]
+                weight = weights[head, row, token]
                 for j in range(head_dim):
                     out[head, row, j] += weight * widened[head, j]
 
 
 @jit  # type: ignore[misc, unused-ignore]
-def widen_tokens_into(fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any) -> None:
-    """``out[t] = code * scale`` of slot ``slots[t]``'s row, ``out`` ``(num_tokens, H * G, group_size)``.
+def widen_tokens_into(fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any,
+                      num_tokens: int, head_dim: int, head_stride: int, groups_per_head: int) -> None:
+    """Token ``t``'s ``code * scale`` into flat ``out``, head ``h``'s plane at ``h * head_stride``.
 
-    A prefill chunk's keys or values widened from the stored bytes, token by
-    token in one pass (``widen_row``: each value exact, times its scale in one
-    rounding, as ``StorageFormat.decode_into``), for BLAS to multiply.
+    ``slots`` and ``scale_slots`` as in :func:`scores_into`. A prefill
+    chunk's keys or values widened from the stored bytes, token by token in
+    one pass (``widen_row``: each value exact, times its scale in one
+    rounding, as ``StorageFormat.decode_into``), for BLAS to multiply each
+    head's contiguous plane.
     """
-    for token in range(slots.shape[0]):
-        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS)
-        widen_row(fmt, codes, scales, slots[token], scale_slots[token], out[token])
+    for token in range(num_tokens):
+        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+        widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), out,
+                  token * head_dim, head_stride, groups_per_head)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.kernels.rows import padded_rows, row_padded
+
 __all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "decode_into", "scores", "weighted_values"]
 
 #: The in-kernel widening of each storage format.
@@ -75,8 +77,8 @@ def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]
 def scores(
     grouped: npt.NDArray[np.float32],
     keys: Side,
-    slots: npt.NDArray[np.intp],
-    scale_slots: npt.NDArray[np.intp],
+    slots: npt.NDArray[np.intp] | None,
+    scale_slots: npt.NDArray[np.intp] | None,
 ) -> npt.NDArray[np.float32]:
     """``K q`` for ``grouped`` ``(num_kv_heads, rows, head_dim)``, the keys read by slot (unscaled scores).
 
@@ -84,44 +86,59 @@ def scores(
         grouped: each kv head's query rows, float32 (the only compute dtype compiled).
         keys: the storage format's name, the codes token-major ``(num_slots, num_kv_heads, head_dim)``
             and their scales ``(num_slots, num_kv_heads, num_groups)`` (None: scale-free).
-        slots: the slot of each token's codes, in logical order.
-        scale_slots: the slot of each token's scales (``slots`` unless the codes are a mapped copy).
+        slots: the slot of each token's codes, in logical order; None: token ``t``'s are row ``t``.
+        scale_slots: the slot of each token's scales, the same way.
 
     Returns:
-        A new ``(num_kv_heads, rows, num_tokens)`` float32 array.
+        A new ``(num_kv_heads, rows, num_tokens)`` float32 array, each row
+        contiguous, rows :func:`~pagedkv.kernels.rows.padded_rows` apart (so no two of them share
+        L1 sets as the kernel writes a token's scores into every row).
     """
     scores_into, _ = compile_kernels()
-    out = np.empty((len(slots), *grouped.shape[:2]), np.float32)  # (num_tokens, num_kv_heads, rows)
+    num_tokens = len(slots) if slots is not None else len(keys[1])
+    out = row_padded((*grouped.shape[:2], num_tokens), np.dtype(np.float32))
     queries = np.ascontiguousarray(grouped, np.float32)  # the loops read float32: cast, never reinterpret
     scores_into(queries, *_stored(keys), *_slot_arrays(slots, scale_slots), out)
-    return np.ascontiguousarray(out.transpose(1, 2, 0))
+    return out
 
 
 def weighted_values(
-    weights: npt.NDArray[np.float32], values: Side, slots: npt.NDArray[np.intp],
-    scale_slots: npt.NDArray[np.intp], head_dim: int,
+    weights: npt.NDArray[np.float32], values: Side, slots: npt.NDArray[np.intp] | None,
+    scale_slots: npt.NDArray[np.intp] | None, head_dim: int,
 ) -> npt.NDArray[np.float32]:
     """``weights . V`` for ``weights`` ``(num_kv_heads, rows, num_tokens)``, the values read by slot.
 
-    ``slots`` and ``scale_slots`` as in :func:`scores`.
+    ``weights`` as :func:`scores` returns them (float32, each row
+    contiguous); ``slots`` and ``scale_slots`` as in :func:`scores`.
 
     Returns:
         A new ``(num_kv_heads, rows, head_dim)`` float32 array.
     """
     _, weighted_values_into = compile_kernels()
     out = np.empty((*weights.shape[:2], head_dim), np.float32)
-    # (num_tokens, num_kv_heads, rows)
-    token_major = np.ascontiguousarray(weights.transpose(2, 0, 1), np.float32)
-    weighted_values_into(token_major, *_stored(values), *_slot_arrays(slots, scale_slots), out)
+    weighted_values_into(_rows(weights), *_stored(values), *_slot_arrays(slots, scale_slots), out)
     return out
 
 
-def decode_into(
-    side: Side, slots: npt.NDArray[np.intp], scale_slots: npt.NDArray[np.intp], out: npt.NDArray[np.float32]
-) -> None:
-    """The tokens at ``slots`` as floats into ``out`` ``(len(slots), H, d)``, C-contiguous float32.
+def _rows(weights: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``weights`` with rows ``padded_rows`` apart, as :func:`scores` lays them (one compiled type)."""
+    if weights.dtype == np.float32 and weights.strides[2] == 4 and weights.strides[1] == padded_rows(
+            weights.shape[2]) * 4 and weights.strides[0] == weights.shape[1] * weights.strides[1]:
+        return weights
+    padded = row_padded(weights.shape, np.dtype(np.float32))
+    padded[...] = weights
+    return padded
 
-    ``slots`` and ``scale_slots`` as in :func:`scores`.
+
+def decode_into(
+    side: Side, slots: npt.NDArray[np.intp] | None, scale_slots: npt.NDArray[np.intp] | None,
+    out: npt.NDArray[np.float32],
+) -> None:
+    """The tokens at ``slots`` as floats into ``out`` ``(H, num_tokens, d)``, head-major float32.
+
+    ``slots`` and ``scale_slots`` as in :func:`scores` (None: the side's
+    first ``num_tokens`` rows). ``out`` is a view of a flat buffer whose
+    planes may lie apart (:func:`~pagedkv.kernels.rows.head_planes`), each plane C-contiguous.
 
     The same values as ``StorageFormat.decode_into`` (each ``code * scale``,
     exact code, one rounding), widened by the compiled loop straight from the
@@ -130,12 +147,25 @@ def decode_into(
     from pagedkv.kernels import compiled
 
     fmt, codes, scales = _stored(side)
-    compiled.widen_tokens_into(fmt, codes, scales, *_slot_arrays(slots, scale_slots),
-                               out.reshape(len(slots), codes.shape[1], codes.shape[2]))
+    num_kv_heads, num_tokens, head_dim = out.shape
+    head_stride = out.strides[0] // 4
+    size = (num_kv_heads - 1) * head_stride + num_tokens * head_dim
+    flat = np.lib.stride_tricks.as_strided(out, (size,), (4,))
+    compiled.widen_tokens_into(fmt, codes, scales, *_slot_arrays(slots, scale_slots), flat, num_tokens,
+                               head_dim, head_stride, codes.shape[1] // num_kv_heads)
+
+
+#: The slots of tokens read in order (row ``t`` is token ``t``): the kernels' empty slot array.
+IN_ORDER = np.empty(0, np.intp)
 
 
 def _slot_arrays(
-    slots: npt.NDArray[np.intp], scale_slots: npt.NDArray[np.intp]
+    slots: npt.NDArray[np.intp] | None, scale_slots: npt.NDArray[np.intp] | None
 ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-    """Both slot arrays as the kernels take them: C-contiguous intp (one compiled specialization)."""
-    return np.ascontiguousarray(slots, np.intp), np.ascontiguousarray(scale_slots, np.intp)
+    """Both slot arrays as the kernels take them: C-contiguous intp, empty for in order (one type)."""
+    return _slot_array(slots), _slot_array(scale_slots)
+
+
+def _slot_array(slots: npt.NDArray[np.intp] | None) -> npt.NDArray[np.intp]:
+    """``slots`` as the kernels take them (``IN_ORDER`` for None)."""
+    return IN_ORDER if slots is None else np.ascontiguousarray(slots, np.intp)

@@ -277,6 +277,34 @@ def test_ids_of_blocks_are_holds_block_and_block_id_with_sinks(
             assert table.ids_of_blocks(range(lo, hi)) == expected
 
 
+@given(
+    block_size=st.integers(1, 5),
+    num_sink_tokens=st.integers(0, 9),
+    num_tokens=st.integers(1, 40),
+    num_evicted=st.integers(0, 40),
+    data=st.data(),
+)
+def test_slot_array_of_any_held_ranges_is_the_scalar_slot_of_each_index(
+    block_size: int, num_sink_tokens: int, num_tokens: int, num_evicted: int, data: st.DataObject
+) -> None:
+    """The vectorized slots (one window range: block by block; anything else: by index) match ``slot``."""
+    table = BlockTable(block_size, num_sink_tokens)
+    ids = data.draw(st.permutations(range(7, 7 + table.num_new_blocks(num_tokens))))
+    table.append(num_tokens, list(ids))
+    table.evict_to(min(num_sink_tokens + num_evicted, num_tokens))
+    held = [index for start, end in table.live_ranges() for index in range(start, end)]
+    if not held:  # every token evicted: nothing to read
+        assert table.slot_array(table.live_ranges()).tolist() == []
+        return
+    lo = data.draw(st.integers(0, len(held) - 1))
+    hi = data.draw(st.integers(lo, len(held)))
+    window = [index for index in held[lo:hi] if index >= num_sink_tokens]
+    for ranges in ([(held[lo], held[hi - 1] + 1)] if hi > lo and held[hi - 1] - held[lo] == hi - 1 - lo else [],
+                   table.live_ranges(), [(window[0], window[-1] + 1)] if window else []):
+        expected = [table.slot(index) for start, end in ranges for index in range(start, end)]
+        assert table.slot_array(ranges).tolist() == expected
+
+
 def test_blocks_version_grows_with_every_change_of_the_held_blocks() -> None:
     # Page views trust an unchanged version to mean unchanged blocks: every command
     # that changes the held ids or their places must bump it; a token in a held block need not.

@@ -1,5 +1,7 @@
-"""Smoke tests of the command line through a subprocess: ``--help``, ``demo``, ``simulate``, ``viz``.
+"""Smoke tests of the command line: ``--help``, ``demo``, ``simulate``, ``viz``.
 
+Every command runs at least once through a subprocess (``python -m pagedkv``);
+the other outputs are checked in-process through ``main``, which is faster.
 Every error path must say what is wrong and exit with status 2.
 """
 
@@ -37,6 +39,13 @@ def run(
     return subprocess.run(
         command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}, check=False
     )
+
+
+def run_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``main(ARGS)`` in this process, captured in the shape ``run`` returns."""
+    status = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["pagedkv", *args], status, captured.out, captured.err)
 
 
 def test_help_lists_every_command_on_one_line() -> None:
@@ -82,10 +91,13 @@ def test_simulate_prints_a_table_for_each_policy() -> None:
     assert result.stderr == ""  # no progress bar when stderr is not a terminal
 
 
-def test_simulate_json_is_deterministic_apart_from_timing(tmp_path: Path) -> None:
+def test_simulate_json_is_deterministic_apart_from_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    # One run in another process (another string-hash seed), one here.
     outputs = []
-    for _ in range(2):
-        result = run("simulate", *SMALL, "--json", "--seed", "3")
+    for result in (
+        run("simulate", *SMALL, "--json", "--seed", "3"),
+        run_in_process(capsys, "simulate", *SMALL, "--json", "--seed", "3"),
+    ):
         assert result.returncode == 0, result.stderr
         data = json.loads(result.stdout)
         assert set(data["timing"]["paged"]) == {
@@ -101,14 +113,16 @@ def test_simulate_json_is_deterministic_apart_from_timing(tmp_path: Path) -> Non
     assert outputs[0]["config"]["num_blocks"] == 96
 
 
-def test_simulate_progress_bar_goes_to_stderr() -> None:
-    result = run("simulate", *SMALL, "--progress", "--policies", "paged")
+def test_simulate_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, "simulate", *SMALL, "--progress", "--policies", "paged")
     assert result.returncode == 0
     assert "12/12 requests" in result.stderr and "requests" not in result.stdout.splitlines()[-1]
 
 
-def test_simulate_sweep_prints_a_table() -> None:
-    result = run("simulate", *SMALL, "--sweep", "--block-sizes", "2,8", "--windows", "none,32")
+def test_simulate_sweep_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(
+        capsys, "simulate", *SMALL, "--sweep", "--block-sizes", "2,8", "--windows", "none,32"
+    )
     assert result.returncode == 0, result.stderr
     rows = [
         line.split() for line in result.stdout.splitlines() if line[:1].isdigit() or line.startswith("contig")
@@ -123,12 +137,13 @@ def test_simulate_sweep_prints_a_table() -> None:
     ]
 
 
-def test_simulate_reads_a_jsonl_workload(tmp_path: Path) -> None:
+def test_simulate_reads_a_jsonl_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "requests.jsonl"
     path.write_text('{"prompt_len": 10, "output_len": 5}\n{"prompt": [1, 2, 3], "output_len": 4, "n": 2}\n')
-    result = run(
-        "simulate", "--workload", str(path), "--blocks", "16", "--block-size", "4", "--max-model-len", "32"
-    )
+    result = run_in_process(
+        capsys,
+        "simulate", "--workload", str(path), "--blocks", "16", "--block-size", "4", "--max-model-len", "32",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "requests.jsonl" in result.stdout and "2 / 0 / 0" in result.stdout
 
@@ -210,6 +225,9 @@ def test_viz_prints_text_page_maps() -> None:
 
 
 def test_viz_writes_a_png(tmp_path: Path) -> None:
+    # NOTE: through a subprocess, not in-process: matplotlib keeps its font files open
+    # and closes them in every forked child (os.register_at_fork), which breaks
+    # tests/memory/test_page_fork.py's "no descriptor left" children run after it.
     pytest.importorskip("matplotlib")
     result = run("viz", "--png", "pagemap", "--out", str(tmp_path), "--num-requests", "6")
     assert result.returncode == 0, result.stderr

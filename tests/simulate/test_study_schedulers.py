@@ -25,14 +25,17 @@ def tight(name: str, *, prefix: bool = False, n: int = 1, budget: int | None = N
 def test_every_scheduler_keeps_the_invariants_under_pressure(
     name: str, prefix: bool, n: int, sampling: str
 ) -> None:
+    # 20 requests fill the 256 tokens many times over: every scheduler but reserve-growth
+    # preempts 13-46 times, swap moves hundreds of blocks, beams hit the prefix cache and
+    # greedy aborts a beam group (40 requests took twice as long and aborted none).
     workload = synthetic(
-        "alpaca", 40, seed=1, n=n, sampling=sampling, num_prefix_groups=2, prefix_len=12,
+        "alpaca", 20, seed=1, n=n, sampling=sampling, num_prefix_groups=2, prefix_len=12,
         request_rate=50.0, max_model_len=256,
     )  # fmt: skip
     result = PagedEngine(
         workload, tight(name, prefix=prefix, n=n, budget=32 if name == "vllm-v1" else None)
     ).run()
-    assert result.num_finished + result.num_aborted == 40
+    assert result.num_finished + result.num_aborted == 20
     assert result.num_preemptions > 0 or name == "reserve-growth"
     assert result.latency.num_requests == result.num_finished
     if name == "swap":
@@ -50,7 +53,8 @@ def test_swap_recomputes_nothing_when_the_host_has_room() -> None:
 
 
 def test_thrash_bounding_schedulers_preempt_less_than_greedy() -> None:
-    workload = synthetic("sharegpt", 120, seed=0, max_model_len=1024)
+    # 60 requests (seeds 0-3: greedy 77-94, watermark 46-58, reserve-growth 26-33 preemptions).
+    workload = synthetic("sharegpt", 60, seed=0, max_model_len=1024)
     config = SimConfig(Budget(2048), block_size=16)
     counts = {name: run_policy(f"paged:{name}", workload, config).num_preemptions for name in SCHEDULERS}
     assert counts["greedy"] > 0
