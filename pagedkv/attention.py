@@ -280,19 +280,20 @@ COMPILED_CHUNK_TOKENS = 512
 FOLD_MAX_ROWS = 8
 
 
-def _chunk(tokens: Tokens, start: int, end: int, dtype: np.dtype[Any]) -> npt.NDArray[np.floating]:
+def _chunk(
+    tokens: Tokens, start: int, end: int, dtype: np.dtype[Any], keys: bool = False
+) -> npt.NDArray[np.floating]:
     """Tokens ``start .. end - 1`` as floats ``(num_kv_heads, end - start, head_dim)``: a view.
 
     Of the float tokens themselves, or of this thread's chunk buffer, valid
-    until the thread's next quantized chunk.
+    until the thread's next quantized chunk. ``keys``: the chunk is a
+    prefill's keys (the compiled widening lays them token-major, values
+    head-major: see ``_widen_compiled``).
     """
     if isinstance(tokens, QuantizedTokens):
         heads, _, head_dim = tokens.shape
-        if _widens_compiled(dtype):  # head-major: each head's plane contiguous for BLAS
-            size = heads * plane_stride((end - start) * head_dim)
-            widened = head_planes(scratch_buffer("chunk", dtype, (size,)), heads, end - start, head_dim)
-            _decode_compiled(tokens, start, end, widened)
-            return widened
+        if _widens_compiled(dtype):
+            return _widen_compiled(tokens, start, end, dtype, keys)
         out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
         tokens.decode_into(start, end, out)
         heads_first: npt.NDArray[np.floating] = out.transpose(1, 0, 2)
@@ -402,7 +403,7 @@ def _scores(
             # the scores saves the transposed copy of the form below (about
             # 15% at 128 rows over 8k token-major keys); with few rows it
             # measured 1.7x slower than keys @ query^T, which stays on BLAS's gemv.
-            chunk_t = _chunk(keys, start, end, dtype).transpose(0, 2, 1)
+            chunk_t = _chunk(keys, start, end, dtype, keys=True).transpose(0, 2, 1)
             np.matmul(grouped, chunk_t, out=scores[:, :, start:end])
         else:
             part = np.matmul(_chunk(keys, start, end, dtype), query_t)  # (num_kv_heads, chunk, rows)
@@ -457,8 +458,17 @@ def _widens_compiled(dtype: np.dtype[Any]) -> bool:
     return _SELECTED["kernel"] == "numba" and dtype == np.float32
 
 
-def _decode_compiled(tokens: QuantizedTokens, start: int, end: int, out: npt.NDArray[np.floating]) -> None:
-    """``tokens.decode_into`` by the compiled loop: the same values, read by slot from the stored rows.
+def _widen_compiled(
+    tokens: QuantizedTokens, start: int, end: int, dtype: np.dtype[Any], keys: bool
+) -> npt.NDArray[np.floating]:
+    """Tokens ``start .. end - 1`` widened by the compiled loop, ``(H, end - start, d)``: a view of a buffer.
+
+    The same values as ``tokens.decode_into`` (each ``code * scale``, one
+    rounding), read by slot from the stored rows. Keys are laid token-major
+    (as the pages), values head-major, each head's plane contiguous and the
+    planes ``plane_stride`` apart: BLAS's fastest layout for each product
+    (a 512-token chunk at H=8, d=128: values 1.39 vs 1.54 ms token-major,
+    keys 1.6-1.8 vs 1.8-2.0 ms head-major; docs/quantization.md).
 
     NOTE: a prefill chunk's matmuls are compute-bound and reuse each widened
     row once per query row, so the chunk is widened once (not folded); the
@@ -467,6 +477,18 @@ def _decode_compiled(tokens: QuantizedTokens, start: int, end: int, out: npt.NDA
     """
     from pagedkv.kernels import jit
 
+    heads, _, head_dim = tokens.shape
+    num_tokens = end - start
+    widened: npt.NDArray[np.floating]
+    if keys:
+        flat = scratch_buffer("chunk", dtype, (num_tokens * heads * head_dim,))
+        strides = (heads * head_dim, head_dim)
+        widened = flat.reshape(num_tokens, heads, head_dim).transpose(1, 0, 2)
+    else:
+        stride = plane_stride(num_tokens * head_dim)
+        flat = scratch_buffer("chunk", dtype, (heads * stride,))
+        strides = (head_dim, stride)
+        widened = head_planes(flat, heads, num_tokens, head_dim)
     slots, scale_slots = _compiled_slots(tokens)
     codes = tokens.codes.transpose(1, 0, 2)
     scales = None if tokens.scales is None else tokens.scales.transpose(1, 0, 2)
@@ -478,7 +500,8 @@ def _decode_compiled(tokens: QuantizedTokens, start: int, end: int, out: npt.NDA
         scales = None if scales is None else scales[start:end]
     else:
         scale_slots = scale_slots[start:end]
-    jit.decode_into((tokens.storage.name, codes, scales), slots, scale_slots, out)
+    jit.decode_into((tokens.storage.name, codes, scales), slots, scale_slots, flat, num_tokens, strides)
+    return widened
 
 
 def _compiled_slots(

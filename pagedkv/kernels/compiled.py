@@ -400,16 +400,15 @@ def weighted_values_into(
 
 @jit  # type: ignore[misc, unused-ignore]
 def widen_tokens_into(fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any,
-                      num_tokens: int, head_dim: int, head_stride: int, groups_per_head: int) -> None:
-    """Token ``t``'s ``code * scale`` into flat ``out``, head ``h``'s plane at ``h * head_stride``.
+                      num_tokens: int, token_stride: int, head_stride: int, groups_per_head: int) -> None:
+    """Token ``t``'s ``code * scale`` into flat ``out``, head ``h`` at ``t * token_stride + h * head_stride``.
 
     ``slots`` and ``scale_slots`` as in :func:`scores_into`. A prefill
     chunk's keys or values widened from the stored bytes, token by token in
     one pass (``widen_row``: each value exact, times its scale in one
-    rounding, as ``StorageFormat.decode_into``), for BLAS to multiply each
-    head's contiguous plane.
+    rounding, as ``StorageFormat.decode_into``), for BLAS to multiply.
     """
     for token in range(num_tokens):
         prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
         widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), out,
-                  token * head_dim, head_stride, groups_per_head)
+                  token * token_stride, head_stride, groups_per_head)

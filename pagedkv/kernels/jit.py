@@ -132,13 +132,13 @@ def _rows(weights: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
 
 def decode_into(
     side: Side, slots: npt.NDArray[np.intp] | None, scale_slots: npt.NDArray[np.intp] | None,
-    out: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32], num_tokens: int, strides: tuple[int, int],
 ) -> None:
-    """The tokens at ``slots`` as floats into ``out`` ``(H, num_tokens, d)``, head-major float32.
+    """The tokens at ``slots`` as floats into ``out``: token t, head h at ``t * strides[0] + h * strides[1]``.
 
     ``slots`` and ``scale_slots`` as in :func:`scores` (None: the side's
-    first ``num_tokens`` rows). ``out`` is a view of a flat buffer whose
-    planes may lie apart (:func:`~pagedkv.kernels.rows.head_planes`), each plane C-contiguous.
+    first ``num_tokens`` rows); ``out`` C-contiguous float32, each head's
+    ``head_dim`` values contiguous.
 
     The same values as ``StorageFormat.decode_into`` (each ``code * scale``,
     exact code, one rounding), widened by the compiled loop straight from the
@@ -147,12 +147,9 @@ def decode_into(
     from pagedkv.kernels import compiled
 
     fmt, codes, scales = _stored(side)
-    num_kv_heads, num_tokens, head_dim = out.shape
-    head_stride = out.strides[0] // 4
-    size = (num_kv_heads - 1) * head_stride + num_tokens * head_dim
-    flat = np.lib.stride_tricks.as_strided(out, (size,), (4,))
-    compiled.widen_tokens_into(fmt, codes, scales, *_slot_arrays(slots, scale_slots), flat, num_tokens,
-                               head_dim, head_stride, codes.shape[1] // num_kv_heads)
+    groups_per_head = codes.shape[1] // side[1].shape[1]  # (num_slots, H, d) as passed
+    compiled.widen_tokens_into(fmt, codes, scales, *_slot_arrays(slots, scale_slots), out, num_tokens,
+                               strides[0], strides[1], groups_per_head)
 
 
 #: The slots of tokens read in order (row ``t`` is token ``t``): the kernels' empty slot array.

@@ -215,11 +215,11 @@ def test_a_compiled_prefill_widens_with_the_compiled_loop_to_the_numpy_values(
     assert calls
     keys, _ = pool.read_quantized(0, table, table.live_ranges())
     assert isinstance(keys, QuantizedTokens)
-    widened = np.empty((2, 40, 64), np.float32)  # head-major
-    attention._decode_compiled(keys, 0, 40, widened)
     numpy_widened = np.empty((40, 2, 64), np.float32)  # token-major
     keys.decode_into(0, 40, numpy_widened)
-    assert_same_bits(widened.transpose(1, 0, 2), numpy_widened)
+    for as_keys in (True, False):  # keys token-major, values head-major: the same numbers
+        widened = attention._widen_compiled(keys, 0, 40, np.dtype(np.float32), as_keys).copy()
+        assert_same_bits(widened.transpose(1, 0, 2), numpy_widened)
 
 
 def test_a_planted_prefill_widening_that_reads_the_next_slot_is_caught(
@@ -228,10 +228,10 @@ def test_a_planted_prefill_widening_that_reads_the_next_slot_is_caught(
     """A widening that reads the slots as one run breaks only the paged prefill: the test must fail."""
     original = jit.decode_into
 
-    def as_one_run(side: Any, slots: Any, scale_slots: Any, out: Any) -> Any:
+    def as_one_run(side: Any, slots: Any, scale_slots: Any, *layout: Any) -> Any:
         if slots is not None:  # None: the tokens in order (the recompute), nothing to misread
             slots = slots[0] + np.arange(len(slots))
-        return original(side, slots, scale_slots, out)
+        return original(side, slots, scale_slots, *layout)
 
     monkeypatch.setattr(jit, "decode_into", as_one_run)
     with pytest.raises(AssertionError):
