@@ -11,6 +11,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pagedkv"
@@ -78,7 +79,13 @@ def _imports(path: Path, *, root: Path = ROOT) -> set[str]:
 
 
 def _graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Each module of the package and the modules of the package it imports."""
+    """Each module of the package and the modules of the package it imports (shared: copy to change)."""
+    return _parsed_graph(root)
+
+
+# NOTE: cached: six tests read the graph; parsing every module once per test took 2 s.
+@functools.cache
+def _parsed_graph(root: Path) -> dict[str, set[str]]:
     paths = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
     return {name: {dep for dep in _imports(path, root=root) if dep in paths and dep != name}
             for name, path in paths.items()}
@@ -114,7 +121,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def _graph_without_the_api(root: Path = ROOT) -> dict[str, set[str]]:
-    graph = _graph(root)
+    graph = dict(_graph(root))
     # The package re-exports (its modules import each other, not it); a package's
     # __init__ importing its own modules, which import it back by their dotted
     # path, is how Python packages work and not a circle between concepts.

@@ -224,12 +224,11 @@ def test_viz_prints_text_page_maps() -> None:
     assert "(no step 99999" in out and "A-Z: shared by its samples" in out
 
 
-def test_viz_writes_a_png(tmp_path: Path) -> None:
-    # NOTE: through a subprocess, not in-process: matplotlib keeps its font files open
-    # and closes them in every forked child (os.register_at_fork), which breaks
-    # tests/memory/test_page_fork.py's "no descriptor left" children run after it.
+def test_viz_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # In-process: matplotlib, imported here, closes its font files in every forked
+    # child; tests/memory/test_page_fork.py no longer depends on it not being imported.
     pytest.importorskip("matplotlib")
-    result = run("viz", "--png", "pagemap", "--out", str(tmp_path), "--num-requests", "6")
+    result = run_in_process(capsys, "viz", "--png", "pagemap", "--out", str(tmp_path), "--num-requests", "6")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "pagemap.png").read_bytes()[:4] == b"\x89PNG"
 

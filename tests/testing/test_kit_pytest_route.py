@@ -8,17 +8,19 @@ on its class got a program that passes when run alone.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import textwrap
 import unittest
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
-from pagedkv.testing import ContractError, check_cache, make_cache_machine
+from pagedkv.testing import ContractError, Verdict, check_cache, make_cache_machine
 from pagedkv.testing.buggy import EvictsAfterScoring, KeepsTokensOnClass, SeedCache
 from pagedkv.testing.program import replay_alone
 from pagedkv.testing.stateful import DEPENDS_ON_EARLIER_RUNS
@@ -79,6 +81,12 @@ def load_template(
     return module
 
 
+@functools.cache
+def evicts_after_scoring(*, fresh_process: bool) -> Verdict:
+    """The kit's verdict on ``EvictsAfterScoring`` (seed 0), run once and shared by the tests below."""
+    return check_cache(EvictsAfterScoring, max_examples=100, seed=0, fresh_process=fresh_process)
+
+
 def run_test_case(case: type[unittest.TestCase]) -> unittest.TestResult:
     result = unittest.TestResult()
     case("runTest").run(result)
@@ -92,6 +100,12 @@ def test_the_documented_template_passes_on_a_correct_seed_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     template = load_template(tmp_path, monkeypatch, "def test_my_cache", evict=EVICT)
+    if settings().max_examples < 50:  # the quick profile: 10 examples, as the TestCase's below
+
+        def fewer_examples(factory: Any, **options: Any) -> Verdict:
+            return check_cache(factory, **{**options, "max_examples": 10})
+
+        monkeypatch.setattr(template, "check_cache", fewer_examples)
     template.test_my_cache_keeps_the_seed_contract()  # raises on a failure
 
 
@@ -143,7 +157,7 @@ def test_the_testcase_is_one_class_per_machine_and_keeps_its_settings() -> None:
 
 def test_assert_passed_does_nothing_on_a_pass_and_raises_the_report_on_a_failure() -> None:
     check_cache(SeedCache, max_examples=5, seed=0).assert_passed()
-    verdict = check_cache(EvictsAfterScoring, max_examples=100, seed=0)
+    verdict = evicts_after_scoring(fresh_process=True)
     with pytest.raises(ContractError, match="shrunk to 2 attend calls") as failed:
         verdict.assert_passed()
     assert failed.value.kind == "verdict"
@@ -171,19 +185,19 @@ def test_state_kept_on_the_class_is_reported_as_depending_on_earlier_runs() -> N
 
 
 def test_a_program_that_fails_alone_is_reported_as_such() -> None:
-    verdict = check_cache(EvictsAfterScoring, max_examples=100, seed=0)
+    verdict = evicts_after_scoring(fresh_process=True)
     assert verdict.fails_alone is True
     assert DEPENDS_ON_EARLIER_RUNS not in verdict.report()
 
 
 def test_fresh_process_false_skips_the_replay_alone() -> None:
-    verdict = check_cache(EvictsAfterScoring, max_examples=100, seed=0, fresh_process=False)
+    verdict = evicts_after_scoring(fresh_process=False)
     assert verdict.fails_alone is None
     assert verdict.num_program_steps == 2
 
 
 def test_replay_alone_tells_failed_passed_and_not_run_apart() -> None:
-    verdict = check_cache(EvictsAfterScoring, max_examples=100, seed=0, fresh_process=False)
+    verdict = evicts_after_scoring(fresh_process=False)
     assert verdict.reproducer is not None
     failed = replay_alone(verdict.reproducer)
     assert (failed.outcome, failed.kind) == ("failed", "output")
