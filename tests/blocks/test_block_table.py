@@ -299,8 +299,9 @@ def test_slot_array_of_any_held_ranges_is_the_scalar_slot_of_each_index(
     lo = data.draw(st.integers(0, len(held) - 1))
     hi = data.draw(st.integers(lo, len(held)))
     window = [index for index in held[lo:hi] if index >= num_sink_tokens]
-    for ranges in ([(held[lo], held[hi - 1] + 1)] if hi > lo and held[hi - 1] - held[lo] == hi - 1 - lo else [],
-                   table.live_ranges(), [(window[0], window[-1] + 1)] if window else []):
+    one_run = hi > lo and held[hi - 1] - held[lo] == hi - 1 - lo
+    for ranges in ([(held[lo], held[hi - 1] + 1)] if one_run else [], table.live_ranges(),
+                   [(window[0], window[-1] + 1)] if window else []):
         expected = [table.slot(index) for start, end in ranges for index in range(start, end)]
         assert table.slot_array(ranges).tolist() == expected
 
