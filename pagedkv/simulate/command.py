@@ -17,6 +17,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pagedkv.errors import ConfigError, PoolTooLargeError
 from pagedkv.simulate.cluster import format_cluster, run_cluster
@@ -239,13 +240,7 @@ def _hybrid(args: argparse.Namespace) -> int:
     if config.budget.num_bytes is None:
         raise ConfigError("--hybrid-model needs the memory in bytes: give --memory, not --blocks")
     config = dataclasses.replace(config, budget=Budget.from_bytes(config.budget.num_bytes, model.shape))
-    options = {
-        "n": args.n,
-        "sampling": args.sampling,
-        "num_prefix_groups": args.prefix_groups,
-        "prefix_len": args.prefix_len,
-        "max_model_len": args.max_model_len,
-    }
+    options = _workload_options(args)
     num_runs = len(rates) * len(allocations)
     bar = Progress("hybrid study", num_runs, unit="runs") if _wants_progress(args) else None
     try:
@@ -293,13 +288,7 @@ def _rate_sweep(args: argparse.Namespace, policies: list[str]) -> int:
         raise ConfigError("--rates sets the request rate itself; leave out --request-rate and --arrival-rate")
     rates = parse_rates(args.rates, args.workload)
     config, model = build_config(args)
-    options = {
-        "n": args.n,
-        "sampling": args.sampling,
-        "num_prefix_groups": args.prefix_groups,
-        "prefix_len": args.prefix_len,
-        "max_model_len": args.max_model_len,
-    }
+    options = _workload_options(args)
     bar = Progress("rate sweep", len(rates) * len(policies), unit="runs") if _wants_progress(args) else None
     points = rate_sweep(
         args.workload, args.num_requests, config, rates, policies,
@@ -412,3 +401,14 @@ def _plot(
             rows = sweep(workload, config, list(SWEEP_BLOCK_SIZES))
             path = plot_sweep(rows, out / "block_size_sweep.png", kernel=kernel)
         print(f"wrote {os.fspath(path)}")
+
+
+def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The synthetic workload's options a rate sweep passes to every run (``synthetic(**options)``)."""
+    return {
+        "n": args.n,
+        "sampling": args.sampling,
+        "num_prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "max_model_len": args.max_model_len,
+    }
