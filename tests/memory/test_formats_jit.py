@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.pools import interleaved
 
 import pagedkv.attention as attention
-from pagedkv import KVPool, reference
+from pagedkv import reference
 from pagedkv.attention import attend_chunked_masked, attend_sequence, kernel, set_kernel
-from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import ConfigError
 from pagedkv.memory.quantization import QuantizedTokens, storage_format
 
@@ -39,25 +39,6 @@ def numba_kernel() -> Iterator[None]:
 def assert_same_bits(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.dtype == expected.dtype
     assert np.array_equal(got.view(f"u{got.itemsize}"), expected.view(f"u{expected.itemsize}"))
-
-
-def interleaved(name: str, num_tokens: int, block_size: int, head_dim: int, rng: np.random.Generator,
-                view_mode: str = "auto") -> tuple[KVPool, BlockTable, np.ndarray, np.ndarray]:
-    """A pool of ``name`` pages whose first table takes every other block; its dense keys and values."""
-    pool = KVPool(2 * (num_tokens // block_size + 1), block_size=block_size, num_kv_heads=2,
-                  head_dim=head_dim, dtype=np.float32, key_dtype=name, value_dtype=name, view_mode=view_mode)
-    tables = [BlockTable(block_size), BlockTable(block_size)]
-    while tables[0].num_tokens < num_tokens:
-        for t in tables:
-            t.append(min(block_size, num_tokens - t.num_tokens), [pool.allocator.allocate_one()])
-    dense = []
-    for t in tables:
-        pool.attach(t)
-        keys = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32) * 3
-        values = rng.standard_normal((num_tokens, 2, head_dim)).astype(np.float32)
-        pool.write(0, t.slot_array(t.live_ranges()), keys, values)
-        dense.append((keys, values))
-    return pool, tables[0], *dense[0]
 
 
 @settings(max_examples=40, deadline=None)

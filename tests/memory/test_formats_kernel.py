@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.pools import interleaved
 
 import pagedkv.attention as attention
 import pagedkv.memory.quantization as quantization
-from pagedkv import KVPool, reference
+from pagedkv import reference
 from pagedkv.attention import attend_chunked_masked, attend_sequence
-from pagedkv.blocks.table import BlockTable
 from pagedkv.memory.quantization import QuantizedTokens, storage_format
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -107,25 +107,6 @@ def test_a_planted_decoder_that_forgets_float16_infinities_is_caught(monkeypatch
 # ------------------------------------------------------------ paged attention, every format
 
 
-def interleaved(name: str, num_tokens: int, block_size: int, rng: np.random.Generator
-                ) -> tuple[KVPool, BlockTable, np.ndarray, np.ndarray]:
-    """A pool of ``name`` pages whose first table takes every other block; its dense keys and values."""
-    pool = KVPool(2 * (num_tokens // block_size + 1), block_size=block_size, num_kv_heads=2, head_dim=8,
-                  dtype=np.float32, key_dtype=name, value_dtype=name)
-    tables = [BlockTable(block_size), BlockTable(block_size)]
-    while tables[0].num_tokens < num_tokens:
-        for t in tables:
-            t.append(min(block_size, num_tokens - t.num_tokens), [pool.allocator.allocate_one()])
-    dense = []
-    for t in tables:
-        pool.attach(t)
-        keys = rng.standard_normal((num_tokens, 2, 8)).astype(np.float32) * 3
-        values = rng.standard_normal((num_tokens, 2, 8)).astype(np.float32)
-        pool.write(0, t.slot_array(t.live_ranges()), keys, values)
-        dense.append((keys, values))
-    return pool, tables[0], *dense[0]
-
-
 @settings(max_examples=30, deadline=None)
 @given(
     name=st.sampled_from(FORMATS),
@@ -138,7 +119,7 @@ def test_paged_decode_over_a_fragmented_pool_equals_the_recompute_bit_for_bit(
     name: str, num_tokens: int, block_size: int, chunk: int, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    pool, table, keys, values = interleaved(name, num_tokens, block_size, rng)
+    pool, table, keys, values = interleaved(name, num_tokens, block_size, 8, rng)
     query = rng.standard_normal((1, 4, 8)).astype(np.float32)
     saved, attention.CHUNK_TOKENS = attention.CHUNK_TOKENS, chunk  # boundaries inside and across blocks
     try:
@@ -162,7 +143,7 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
     name: str, num_tokens: int, num_queries: int, chunk: int, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    pool, table, keys, values = interleaved(name, num_tokens, 2, rng)
+    pool, table, keys, values = interleaved(name, num_tokens, 2, 8, rng)
     num_queries = min(num_queries, num_tokens)
     queries = rng.standard_normal((num_queries, 4, 8)).astype(np.float32)
     storage = storage_format(name, 8)
@@ -188,7 +169,7 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_fragmented_read_names_the_pages_and_copies_nothing(name: str) -> None:
     """gather_quantized hands the kernel the pages and the slots: no whole-table copy is made."""
-    pool, table, _, _ = interleaved(name, 12, 2, np.random.default_rng(0))
+    pool, table, _, _ = interleaved(name, 12, 2, 8, np.random.default_rng(0))
     assert not table.is_one_run
     keys, values = pool.gather_quantized(0, table.read_plan())
     for side, pages in ((keys, pool.key_pages(0)), (values, pool.value_pages(0))):

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.pools import interleaved
 
 import pagedkv.memory.views as views_module
 from pagedkv import KVCache, KVPool, reference
@@ -25,7 +26,6 @@ pytest.importorskip("ml_dtypes")
 pytestmark = pytest.mark.skipif(not views_supported(), reason="page views need Linux mmap(MAP_FIXED)")
 
 H, D, BS = 2, 128, 16  # an int8 block is 16 x 2 x 128 = 4,096 bytes: one memory page
-_KEEP: dict[int, BlockTable] = {}
 PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("int8", "int8"),
          ("float8_e4m3", "float8_e4m3"), ("float16", "bfloat16"), ("int8", "float8_e4m3")]
 
@@ -33,26 +33,9 @@ PAIRS = [("float16", "float16"), ("bfloat16", "bfloat16"), ("int8", "int8"),
 def filled(
     key_dtype: str, value_dtype: str, mode: str, num_tokens: int
 ) -> tuple[KVPool, BlockTable, Any, Any]:
-    """A pool in ``mode`` whose first of two tables takes every other block; its dense keys and values.
-
-    The other table lives as long as the pool (``_KEEP``): the pool holds its holders weakly.
-    """
-    rng = np.random.default_rng(5)
-    pool = KVPool(2 * (num_tokens // BS + 1), block_size=BS, num_kv_heads=H, head_dim=D, dtype=np.float32,
-                  key_dtype=key_dtype, value_dtype=value_dtype, view_mode=mode)
-    tables = [BlockTable(BS), BlockTable(BS)]
-    while tables[0].num_tokens < num_tokens:
-        for t in tables:
-            t.append(min(BS, num_tokens - t.num_tokens), [pool.allocator.allocate_one()])
-    dense = []
-    for t in tables:
-        pool.attach(t)
-        keys = rng.standard_normal((num_tokens, H, D)).astype(np.float32) * 2
-        values = rng.standard_normal((num_tokens, H, D)).astype(np.float32)
-        pool.write(0, t.slot_array(t.live_ranges()), keys, values)
-        dense.append((keys, values))
-    _KEEP[id(pool)] = tables[1]
-    return pool, tables[0], *dense[0]
+    """A pool in ``mode`` whose first of two tables takes every other block; its dense keys and values."""
+    return interleaved(key_dtype, num_tokens, BS, D, np.random.default_rng(5), mode, num_kv_heads=H,
+                       value_dtype=value_dtype, key_scale=2.0)
 
 
 @pytest.mark.parametrize(("key_dtype", "value_dtype"), PAIRS)
