@@ -19,7 +19,7 @@ import numpy.typing as npt
 from pagedkv.blocks.table import BlockTable, ReadPlan
 from pagedkv.counts import ChunkedWindow
 from pagedkv.errors import ConfigError
-from pagedkv.kernels.rows import head_planes, plane_stride, row_padded
+from pagedkv.kernels.rows import head_planes, padded_rows, row_padded
 from pagedkv.memory.pool import KVPool
 from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 
@@ -266,7 +266,7 @@ def attend_padded(
 CHUNK_TOKENS = 1024
 
 #: Tokens widened at a time where the compiled kernel widens them (a prefill chunk's keys and
-#: values): 2 MiB of float32 at H=8, d=128, about L2 (256 and 512 measured alike; docs/quantization.md).
+#: values): 2 MiB of float32 at H=8, d=128 (128 to 1024 measured, 512 best by 2-4%; docs/quantization.md).
 COMPILED_CHUNK_TOKENS = 512
 
 #: Up to this many rows per kv head (a decode's grouped query heads) scales are folded into the
@@ -466,7 +466,7 @@ def _widen_compiled(
     The same values as ``tokens.decode_into`` (each ``code * scale``, one
     rounding), read by slot from the stored rows. Keys are laid token-major
     (as the pages), values head-major, each head's plane contiguous and the
-    planes ``plane_stride`` apart: BLAS's fastest layout for each product
+    planes ``padded_rows`` apart: BLAS's fastest layout for each product
     (a 512-token chunk at H=8, d=128: values 1.39 vs 1.54 ms token-major,
     keys 1.6-1.8 vs 1.8-2.0 ms head-major; docs/quantization.md).
 
@@ -485,7 +485,7 @@ def _widen_compiled(
         strides = (heads * head_dim, head_dim)
         widened = flat.reshape(num_tokens, heads, head_dim).transpose(1, 0, 2)
     else:
-        stride = plane_stride(num_tokens * head_dim)
+        stride = padded_rows(num_tokens * head_dim)
         flat = scratch_buffer("chunk", dtype, (heads * stride,))
         strides = (head_dim, stride)
         widened = head_planes(flat, heads, num_tokens, head_dim)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["head_planes", "padded_rows", "plane_stride", "row_padded"]
+__all__ = ["head_planes", "padded_rows", "row_padded"]
 
 
 def padded_rows(num_columns: int) -> int:
@@ -38,14 +38,11 @@ def head_planes(buffer: npt.NDArray[Any], num_heads: int, num_rows: int, row_siz
 
     A plane's byte size is often a multiple of 4 KiB (512 tokens x 128 x 4
     bytes); writing a token's row into every plane would then fall into one
-    L1 set. ``buffer`` must hold ``num_heads * plane_stride(num_rows * row_size)``.
+    L1 set. ``buffer`` must hold ``num_heads * padded_rows(num_rows * row_size)``: the
+    planes are padded as rows are.
     """
-    stride = plane_stride(num_rows * row_size)
+    stride = padded_rows(num_rows * row_size)
     by_head = buffer[: num_heads * stride].reshape(num_heads, stride)
     planes: npt.NDArray[Any] = by_head[:, : num_rows * row_size]
     return planes.reshape(num_heads, num_rows, row_size)
 
-
-def plane_stride(plane_size: int) -> int:
-    """Elements from one head's plane to the next: ``plane_size`` padded as :func:`padded_rows` pads a row."""
-    return padded_rows(plane_size)
