@@ -4,15 +4,15 @@ One table: each storage format (float32, float16, bfloat16, int8, float8_e4m3; k
 alike) x {views, gather} x {1k, 8k, 16k tokens} x {decode, prefill chunk of 128}. Each row runs
 ``attention.attend_sequence`` (what ``KVCache.attend`` and the manager's loop run) on a shared
 pool whose two tables take blocks in turn, so the measured table is never one run; H=8 kv heads
-(8 query heads), head_dim 128, block_size 16, float32 compute, cache-cold (64 MiB written before
-each call), BLAS pinned to one thread, medians, the rows of one length taking turns in every
-repeat. "GB/s" is the stored bytes read (codes and scales of keys and values) over the time,
-against a one-thread numpy gemv over a cold 64 MiB float32 matrix taking turns with the rows
-("of gemv"). A format a pool cannot map shows "gathers" in its views row. Outputs are checked
-bit for bit between views and gather. Nothing is asserted about time.
+(8 query heads, or ``--group`` times as many), head_dim 128, block_size 16, float32 compute,
+cache-cold (64 MiB written before each call), BLAS pinned to one thread, medians, the rows of one
+length taking turns in every repeat. "GB/s" is the stored bytes read (codes and scales of keys and
+values) over the time, against a one-thread numpy gemv over a cold 64 MiB float32 matrix taking
+turns with the rows ("of gemv"). A format a pool cannot map shows "gathers" in its views row.
+Outputs are checked bit for bit between views and gather. Nothing is asserted about time.
 
-Run: ``python benchmarks/bench_formats.py [--quick] [--save] [--kernel numba]`` (``--save`` writes
-``benchmarks/results/formats.json``).
+Run: ``python benchmarks/bench_formats.py [--quick] [--save] [--kernel numba] [--group 4]``
+(``--save`` writes ``benchmarks/results/formats.json``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", help="token counts (default 1k 8k 16k)")
     parser.add_argument("--formats", nargs="+", help="storage formats besides float32 (default all)")
     parser.add_argument("--kernel", choices=("numpy", "numba"), default="numpy",
-                        help="the quantized decode kernel (numba: the jit extra; float32 pages stay numpy)")
+                        help="the decode kernel (numba: the jit extra; float32 pages keep numpy's einsum "
+                             "for one query row a kv head)")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads per kv head (grouped-query attention; default 1: 8 query heads)")
     args = parser.parse_args()
     set_kernel(args.kernel)
     clock = use_clock(args.clock)
@@ -107,13 +110,13 @@ def main() -> None:
     formats = (None, *args.formats) if args.formats else FORMATS
     repeats = 3 if args.quick else 11
     print(header("Storage formats: decode and prefill over fragmented shared pools",
-                 [f"H={H} kv heads (= query heads), head_dim {D}, block_size {BS}, float32 compute, "
-                  f"prefill chunk {PREFILL}, two interleaved tables, cache-cold, medians of {repeats}",
-                  f"clock: {clock}, quantized decode kernel: {args.kernel}"]))
+                 [f"H={H} kv heads, {H * args.group} query heads, head_dim {D}, block_size {BS}, "
+                  f"float32 compute, prefill chunk {PREFILL}, two interleaved tables, cache-cold, "
+                  f"medians of {repeats}", f"clock: {clock}, decode kernel: {args.kernel}"]))
     flush = Flusher()
     rng = np.random.default_rng(2)
-    query = rng.standard_normal((1, H, D), dtype=np.float32)
-    prefill = rng.standard_normal((PREFILL, H, D), dtype=np.float32)
+    query = rng.standard_normal((1, H * args.group, D), dtype=np.float32)
+    prefill = rng.standard_normal((PREFILL, H * args.group, D), dtype=np.float32)
     results = []
     probe_run, probe_bytes = gemv_probe()
     probes = {}

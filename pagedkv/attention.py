@@ -129,6 +129,13 @@ def attend_dense(
     num_kv_heads, num_tokens, head_dim = keys.shape
     group = query.shape[0] // num_kv_heads
     grouped = query.reshape(num_kv_heads, group, head_dim)
+    if group > 1 and _streams_compiled(query, keys, values):
+        from pagedkv.kernels import jit
+
+        # (num_tokens, H, d) as stored: every path hands the kernel token-major keys and values
+        scores = softmax_rows(jit.float_scores(grouped, keys.transpose(1, 0, 2)), scale)
+        compiled: npt.NDArray[np.floating] = jit.float_weighted_values(scores, values.transpose(1, 0, 2))
+        return compiled.reshape(query.shape)
     # NOTE: einsum only for one query head per kv head: over token-major keys
     # (the pool's layout) einsum with several rows per head was 1.4-7x slower
     # than BLAS, which takes the strided heads as they are (docs/paging.md).
@@ -159,6 +166,17 @@ def attend_dense(
         out = np.matmul(softmax_rows(scores, scale), values)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result
+
+
+def _streams_compiled(*arrays: npt.NDArray[np.floating]) -> bool:
+    """Whether a grouped-query decode over float pages runs the compiled kernel (``set_kernel("numba")``).
+
+    Only float32 (the kernel's one compute dtype) and only with several query
+    rows a kv head: one row reads at the gemv's speed through numpy's einsum
+    already (bench_formats.py). Types and shapes only, so a paged read and
+    its recompute take the same path.
+    """
+    return _SELECTED["kernel"] == "numba" and all(array.dtype == np.float32 for array in arrays)
 
 
 def _group_by_kv_head(queries: npt.NDArray[np.floating], num_kv_heads: int) -> npt.NDArray[np.floating]:
@@ -411,15 +429,15 @@ def _scores(
     return scores
 
 
-#: The kernels a quantized decode can run: numpy's chunked matmuls, or the compiled one (``jit`` extra,
-#: which also widens a prefill's chunks).
+#: The kernels a decode can run: numpy's matmuls, or the compiled one (``jit`` extra), which reads
+#: quantized pages, widens a prefill's chunks, and streams a grouped-query decode over float32 pages.
 KERNELS = ("numpy", "numba")
 
 _SELECTED = {"kernel": "numpy"}
 
 
 def kernel() -> str:
-    """The kernel :func:`attend_chunked` runs for quantized pages (``set_kernel``).
+    """The kernel quantized pages and grouped-query float32 decodes run (``set_kernel``).
 
     >>> kernel()
     'numpy'
@@ -428,7 +446,11 @@ def kernel() -> str:
 
 
 def set_kernel(name: str) -> str:
-    """Choose the quantized decode kernel for this process, paged reads and the recompute alike; the old one.
+    """Choose the decode kernel for this process, paged reads and the recompute alike; the old one.
+
+    ``"numba"`` runs the compiled loops for quantized pages (decode, and a
+    prefill's widening) and for a float32 decode with several query rows a
+    kv head (grouped-query attention); everything else keeps numpy's path.
 
     NOTE: a process-wide setting, not a pool option: the no-cache recompute
     (:mod:`pagedkv.reference`) has no pool, and it must run the same kernel

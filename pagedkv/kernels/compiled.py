@@ -21,7 +21,8 @@ from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused
 from numba.core import cgutils  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-__all__ = ["PREFETCH_TOKENS", "scores_into", "weighted_values_into", "widen_tokens_into"]
+__all__ = ["PREFETCH_TOKENS", "float_scores_into", "float_weighted_values_into", "scores_into",
+           "weighted_values_into", "widen_tokens_into"]
 
 #: How many tokens ahead the int8 and fp8 loops prefetch each page row (a hint to the CPU).
 PREFETCH_TOKENS = 8
@@ -95,85 +96,119 @@ def group_pointer(context: Any, builder: Any, array_type: Any, array: Any, start
     return builder.bitcast(builder.gep(data, [start]), ir.VectorType(kind, GROUP).as_pointer())
 
 
-def scaled_dot_intrinsic(fmt: int) -> Any:
-    """The int8 (``fmt`` 0) or fp8 (1) scaled dot product, an intrinsic numba inlines."""
+def scaled_dots_intrinsic(fmt: int, rows: int) -> Any:
+    """``rows`` query rows' scaled dot products with one int8 (``fmt`` 0) or fp8 (1) key, an intrinsic.
+
+    The key's codes are widened once for all the rows (grouped-query heads
+    share their kv head's key); each row's sum is the one-row sum, op for op.
+    """
 
     @intrinsic  # type: ignore[misc, unused-ignore]
-    def scaled_dot(typingctx: Any, queries: Any, query_start: Any, codes: Any, code_start: Any,
-                   scales: Any, scale_start: Any, num_groups: Any) -> Any:
-        """``sum_g scale_g * (q_g . code_g)`` over groups of 32, in explicit ``<32 x float>`` lanes.
+    def scaled_dots(typingctx: Any, queries: Any, query_start: Any, out: Any, out_start: Any, out_step: Any,
+                    codes: Any, code_start: Any, scales: Any, scale_start: Any, num_groups: Any) -> Any:
+        """``out[out_start + r * out_step] = sum_g scale_g * (q_rg . code_g)``, r < rows, in explicit lanes.
 
-        Lane ``l`` sums ``scale_g * q[32 g + l] * code[32 g + l]`` over the
-        groups in order, then the 32 lanes are added by a fixed tree of
-        halves: the order is written here, not chosen by LLVM or the CPU.
+        Query row ``r`` starts at ``query_start + r * num_groups * 32``. Lane
+        ``l`` sums ``scale_g * q[32 g + l] * code[32 g + l]`` over the groups
+        in order, then the 32 lanes are added by a fixed tree of halves: the
+        order is written here, not chosen by LLVM or the CPU.
         """
         # NOTE: the IR reads float32 queries and scales and 1-byte codes; the
         # 2-byte specialization of scores_into types this call too (never run).
-        if queries.dtype != types.float32 or scales.dtype != types.float32:
+        if queries.dtype != types.float32 or scales.dtype != types.float32 or out.dtype != types.float32:
             return None  # a typing error
-        signature = types.float32(queries, types.intp, codes, types.intp, scales, types.intp, types.intp)
+        signature = types.none(queries, types.intp, out, types.intp, types.intp, codes, types.intp, scales,
+                               types.intp, types.intp)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            query_array, query_start, code_array, code_start, scale_array, scale_start, count = args
-            scale_data = context.make_array(sig.args[4])(context, builder, value=scale_array).data
-            total = cgutils.alloca_once_value(builder, ir.Constant(FLOATS, [0.0] * GROUP))
+            (query_array, query_start, out_array, out_start, out_step, code_array, code_start, scale_array,
+             scale_start, count) = args
+            scale_data = context.make_array(sig.args[7])(context, builder, value=scale_array).data
+            row_length = builder.mul(count, ir.Constant(count.type, GROUP))
+            zeros = ir.Constant(FLOATS, [0.0] * GROUP)
+            totals = [cgutils.alloca_once_value(builder, zeros) for _ in range(rows)]
             with cgutils.for_range(builder, count) as loop:
                 offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
-                query = builder.load(group_pointer(context, builder, sig.args[0], query_array,
-                                                   builder.add(query_start, offset), ir.FloatType()), align=4)
-                code = builder.load(group_pointer(context, builder, sig.args[2], code_array,
+                code = builder.load(group_pointer(context, builder, sig.args[5], code_array,
                                                   builder.add(code_start, offset), ir.IntType(8)), align=1)
-                scale = group_scale(builder, fmt, builder.load(
-                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
-                widened = contracted(builder.fmul(query, widen_group(builder, fmt, code)))
-                product = contracted(builder.fmul(widened, broadcast(builder, scale)))
-                builder.store(contracted(builder.fadd(builder.load(total), product)), total)
-            lanes = builder.load(total)
-            width = GROUP
-            while width > 1:  # halves: lanes l and l + width / 2
-                width //= 2
-                low = builder.shuffle_vector(lanes, lanes, ir.Constant(
-                    ir.VectorType(ir.IntType(32), width), list(range(width))))
-                high = builder.shuffle_vector(lanes, lanes, ir.Constant(
-                    ir.VectorType(ir.IntType(32), width), list(range(width, 2 * width))))
-                lanes = builder.fadd(low, high)
-            return builder.extract_element(lanes, ir.Constant(ir.IntType(32), 0))
-
-        return signature, codegen
-    return scaled_dot
-
-
-def scaled_axpy_intrinsic(fmt: int) -> Any:
-    """The int8 (``fmt`` 0) or fp8 (1) scaled accumulate, an intrinsic numba inlines."""
-
-    @intrinsic  # type: ignore[misc, unused-ignore]
-    def scaled_axpy(typingctx: Any, out: Any, out_start: Any, weight: Any, codes: Any, code_start: Any,
-                    scales: Any, scale_start: Any, num_groups: Any) -> Any:
-        """``out[32 g + l] += (weight * scale_g) * code[32 g + l]`` over groups of 32 (elementwise)."""
-        if out.dtype != types.float32 or scales.dtype != types.float32:
-            return None  # a typing error: the IR writes float32 and reads float32 scales
-        signature = types.none(out, types.intp, types.float32, codes, types.intp, scales, types.intp,
-                               types.intp)
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            out_array, out_start, weight, code_array, code_start, scale_array, scale_start, count = args
-            scale_data = context.make_array(sig.args[5])(context, builder, value=scale_array).data
-            with cgutils.for_range(builder, count) as loop:
-                offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
-                target = group_pointer(context, builder, sig.args[0], out_array,
-                                       builder.add(out_start, offset), ir.FloatType())
-                code = builder.load(group_pointer(context, builder, sig.args[3], code_array,
-                                                  builder.add(code_start, offset), ir.IntType(8)), align=1)
-                scale = group_scale(builder, fmt, builder.load(
-                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
-                coefficient = broadcast(builder, builder.fmul(weight, scale))
-                added = contracted(builder.fadd(builder.load(target, align=4), contracted(
-                    builder.fmul(coefficient, widen_group(builder, fmt, code)))))
-                builder.store(added, target, align=4)
+                codes_widened = widen_group(builder, fmt, code)
+                scale = broadcast(builder, group_scale(builder, fmt, builder.load(
+                    builder.gep(scale_data, [builder.add(scale_start, loop.index)]))))
+                for row, total in enumerate(totals):
+                    start = builder.add(builder.add(query_start, builder.mul(
+                        row_length, ir.Constant(row_length.type, row))), offset)
+                    query = builder.load(group_pointer(context, builder, sig.args[0], query_array, start,
+                                                       ir.FloatType()), align=4)
+                    widened = contracted(builder.fmul(query, codes_widened))
+                    product = contracted(builder.fmul(widened, scale))
+                    builder.store(contracted(builder.fadd(builder.load(total), product)), total)
+            out_data = context.make_array(sig.args[2])(context, builder, value=out_array).data
+            for row, total in enumerate(totals):
+                lanes = builder.load(total)
+                width = GROUP
+                while width > 1:  # halves: lanes l and l + width / 2
+                    width //= 2
+                    low = builder.shuffle_vector(lanes, lanes, ir.Constant(
+                        ir.VectorType(ir.IntType(32), width), list(range(width))))
+                    high = builder.shuffle_vector(lanes, lanes, ir.Constant(
+                        ir.VectorType(ir.IntType(32), width), list(range(width, 2 * width))))
+                    lanes = builder.fadd(low, high)
+                target = builder.add(out_start, builder.mul(out_step, ir.Constant(out_step.type, row)))
+                builder.store(builder.extract_element(lanes, ir.Constant(ir.IntType(32), 0)),
+                              builder.gep(out_data, [target]))
             return context.get_dummy_value()
 
         return signature, codegen
-    return scaled_axpy
+    return scaled_dots
+
+
+def scaled_axpys_intrinsic(fmt: int, rows: int) -> Any:
+    """``rows`` rows' scaled accumulates of one int8 (``fmt`` 0) or fp8 (1) value, an intrinsic.
+
+    The value's codes are widened once for all the rows; each row's
+    accumulate is the one-row accumulate, op for op.
+    """
+
+    @intrinsic  # type: ignore[misc, unused-ignore]
+    def scaled_axpys(typingctx: Any, out: Any, out_start: Any, weights: Any, weight_start: Any,
+                     weight_step: Any, codes: Any, code_start: Any, scales: Any, scale_start: Any,
+                     num_groups: Any) -> Any:
+        """Row r < rows: ``out[out_start + r d + 32 g + l] += (w_r * scale_g) * code[32 g + l]``.
+
+        ``w_r`` is ``weights``'s element ``weight_start + r * weight_step``; d = ``num_groups * 32``.
+        """
+        if out.dtype != types.float32 or scales.dtype != types.float32 or weights.dtype != types.float32:
+            return None  # a typing error: the IR writes float32 and reads float32 weights and scales
+        signature = types.none(out, types.intp, weights, types.intp, types.intp, codes, types.intp, scales,
+                               types.intp, types.intp)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            (out_array, out_start, weight_array, weight_start, weight_step, code_array, code_start,
+             scale_array, scale_start, count) = args
+            scale_data = context.make_array(sig.args[7])(context, builder, value=scale_array).data
+            weight_data = context.make_array(sig.args[2])(context, builder, value=weight_array).data
+            row_length = builder.mul(count, ir.Constant(count.type, GROUP))
+            weights_of_rows = [builder.load(builder.gep(weight_data, [builder.add(weight_start, builder.mul(
+                weight_step, ir.Constant(weight_step.type, row)))])) for row in range(rows)]
+            with cgutils.for_range(builder, count) as loop:
+                offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
+                code = builder.load(group_pointer(context, builder, sig.args[5], code_array,
+                                                  builder.add(code_start, offset), ir.IntType(8)), align=1)
+                codes_widened = widen_group(builder, fmt, code)
+                scale = group_scale(builder, fmt, builder.load(
+                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
+                for row, weight in enumerate(weights_of_rows):
+                    start = builder.add(builder.add(out_start, builder.mul(
+                        row_length, ir.Constant(row_length.type, row))), offset)
+                    target = group_pointer(context, builder, sig.args[0], out_array, start, ir.FloatType())
+                    coefficient = broadcast(builder, builder.fmul(weight, scale))
+                    added = contracted(builder.fadd(builder.load(target, align=4), contracted(
+                        builder.fmul(coefficient, codes_widened))))
+                    builder.store(added, target, align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+    return scaled_axpys
 
 
 @intrinsic  # type: ignore[misc, unused-ignore]
@@ -213,8 +248,68 @@ def prefetch_row(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: i
 
 
 FLOATS = ir.VectorType(ir.FloatType(), GROUP)
-dot_int8, dot_float8 = scaled_dot_intrinsic(0), scaled_dot_intrinsic(1)
-axpy_int8, axpy_float8 = scaled_axpy_intrinsic(0), scaled_axpy_intrinsic(1)
+dots4_int8, dots2_int8, dots1_int8 = (scaled_dots_intrinsic(0, rows) for rows in (4, 2, 1))
+dots4_float8, dots2_float8, dots1_float8 = (scaled_dots_intrinsic(1, rows) for rows in (4, 2, 1))
+axpys4_int8, axpys2_int8, axpys1_int8 = (scaled_axpys_intrinsic(0, rows) for rows in (4, 2, 1))
+axpys4_float8, axpys2_float8, axpys1_float8 = (scaled_axpys_intrinsic(1, rows) for rows in (4, 2, 1))
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def row_block(remaining: int) -> int:
+    """How many of a kv head's ``remaining`` query rows share one widening: 4, 2 or 1."""
+    if remaining >= 4:
+        return 4
+    return 2 if remaining >= 2 else 1
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def dots(fmt: int, block: int, queries: Any, query_start: int, out: Any, out_start: int, out_step: int,
+         codes: Any, code_start: int, scales: Any, scale_start: int, num_groups: int) -> None:
+    """``block`` (4, 2 or 1) query rows' scaled dots with one int8 (``fmt`` 0) or fp8 key."""
+    if fmt == 0:
+        if block == 4:
+            dots4_int8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                       num_groups)
+        elif block == 2:
+            dots2_int8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                       num_groups)
+        else:
+            dots1_int8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                       num_groups)
+    elif block == 4:
+        dots4_float8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                     num_groups)
+    elif block == 2:
+        dots2_float8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                     num_groups)
+    else:
+        dots1_float8(queries, query_start, out, out_start, out_step, codes, code_start, scales, scale_start,
+                     num_groups)
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def axpys(fmt: int, block: int, out: Any, out_start: int, weights: Any, weight_start: int, weight_step: int,
+          codes: Any, code_start: int, scales: Any, scale_start: int, num_groups: int) -> None:
+    """``block`` (4, 2 or 1) rows' scaled accumulates of one int8 (``fmt`` 0) or fp8 value."""
+    if fmt == 0:
+        if block == 4:
+            axpys4_int8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                        scale_start, num_groups)
+        elif block == 2:
+            axpys2_int8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                        scale_start, num_groups)
+        else:
+            axpys1_int8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                        scale_start, num_groups)
+    elif block == 4:
+        axpys4_float8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                      scale_start, num_groups)
+    elif block == 2:
+        axpys2_float8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                      scale_start, num_groups)
+    else:
+        axpys1_float8(out, out_start, weights, weight_start, weight_step, codes, code_start, scales,
+                      scale_start, num_groups)
 
 
 # NOTE: no fastmath: it would let LLVM reorder the sums; error_model="numpy"
@@ -319,20 +414,28 @@ def scores_into(
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the sums
+        out_head, out_row = out.strides[0] // 4, out.strides[1] // 4
         for token in range(num_tokens):
             prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
             slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
                 scale_first = (scale_slot * num_kv_heads + head) * num_groups
-                for row in range(num_rows):
-                    query_start = (head * num_rows + row) * head_dim
+                if num_rows == 1:  # one query row a kv head (no blocks: measured 9% faster at 16k tokens)
                     if fmt == 0:
-                        out[head, row, token] = dot_int8(queries, query_start, codes, first * 32, scales,
-                                                         scale_first, num_groups)
+                        dots1_int8(queries, head * head_dim, out, head * out_head + token, out_row, codes,
+                                   first * 32, scales, scale_first, num_groups)
                     else:
-                        out[head, row, token] = dot_float8(queries, query_start, codes, first * 32, scales,
-                                                           scale_first, num_groups)
+                        dots1_float8(queries, head * head_dim, out, head * out_head + token, out_row, codes,
+                                     first * 32, scales, scale_first, num_groups)
+                    continue
+                row = 0
+                while row < num_rows:  # grouped-query rows in blocks, each block widening the key once
+                    block = row_block(num_rows - row)
+                    dots(fmt, block, queries, (head * num_rows + row) * head_dim, out,
+                         head * out_head + row * out_row + token, out_row, codes, first * 32, scales,
+                         scale_first, num_groups)
+                    row += block
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)  # 4 KiB at H=8, d=128
     widened = buffer.reshape(num_kv_heads, head_dim)
@@ -371,20 +474,28 @@ def weighted_values_into(
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
     if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the weights
+        weight_head, weight_row = weights.strides[0] // 4, weights.strides[1] // 4
         for token in range(num_tokens):
             prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
             slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
             for head in range(num_kv_heads):
                 first = (slot * num_kv_heads + head) * num_groups
                 scale_first = (scale_slot * num_kv_heads + head) * num_groups
-                for row in range(num_rows):
-                    weight = weights[head, row, token]
-                    out_start = (head * num_rows + row) * head_dim
+                if num_rows == 1:  # one query row a kv head (no blocks: measured 9% faster at 16k tokens)
                     if fmt == 0:
-                        axpy_int8(out, out_start, weight, codes, first * 32, scales, scale_first, num_groups)
+                        axpys1_int8(out, head * head_dim, weights, head * weight_head + token, weight_row,
+                                    codes, first * 32, scales, scale_first, num_groups)
                     else:
-                        axpy_float8(out, out_start, weight, codes, first * 32, scales, scale_first,
-                                    num_groups)
+                        axpys1_float8(out, head * head_dim, weights, head * weight_head + token, weight_row,
+                                      codes, first * 32, scales, scale_first, num_groups)
+                    continue
+                row = 0
+                while row < num_rows:  # grouped-query rows in blocks, each block widening the value once
+                    block = row_block(num_rows - row)
+                    axpys(fmt, block, out, (head * num_rows + row) * head_dim, weights,
+                          head * weight_head + row * weight_row + token, weight_row, codes, first * 32,
+                          scales, scale_first, num_groups)
+                    row += block
         return
     buffer = np.empty(num_kv_heads * head_dim, np.float32)
     widened = buffer.reshape(num_kv_heads, head_dim)
@@ -396,6 +507,42 @@ def weighted_values_into(
                 weight = weights[head, row, token]
                 for j in range(head_dim):
                     out[head, row, j] += weight * widened[head, j]
+
+
+@reassociating  # type: ignore[misc, unused-ignore]
+def dot_float32(queries: Any, head: int, row: int, keys: Any, token: int) -> Any:
+    """``queries[head, row] . keys[token, head]``, vectorized: see ``REDUCTION``."""
+    total = np.float32(0.0)
+    for j in range(queries.shape[2]):
+        total += queries[head, row, j] * keys[token, head, j]
+    return total
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def float_scores_into(queries: Any, keys: Any, out: Any) -> None:
+    """``out[h, r, t] = queries[h, r] . keys[t, h]`` over float32 keys ``(num_tokens, H, d)``, token by token.
+
+    Grouped-query decode over float32 pages: each token's row (all heads) is
+    read once, in order, and each kv head's key serves its query rows from L1.
+    """
+    num_kv_heads, num_rows, _ = queries.shape
+    for token in range(keys.shape[0]):
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                out[head, row, token] = dot_float32(queries, head, row, keys, token)
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def float_weighted_values_into(weights: Any, values: Any, out: Any) -> None:
+    """``out[h, r] = sum_t weights[h, r, t] * values[t, h]`` over float32 values ``(num_tokens, H, d)``."""
+    num_kv_heads, num_rows, head_dim = out.shape
+    out[:] = 0.0
+    for token in range(values.shape[0]):
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                weight = weights[head, row, token]
+                for j in range(head_dim):
+                    out[head, row, j] += weight * values[token, head, j]
 
 
 @jit  # type: ignore[misc, unused-ignore]

@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from pagedkv.kernels.rows import padded_rows, row_padded
 
-__all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "decode_into", "scores", "weighted_values"]
+__all__ = ["FORMAT_CODES", "REDUCTION", "compile_kernels", "decode_into", "float_scores",
+           "float_weighted_values", "scores", "weighted_values"]
 
 #: The in-kernel widening of each storage format.
 FORMAT_CODES = {"int8": 0, "float8_e4m3": 1, "float16": 2, "bfloat16": 3}
@@ -128,6 +129,41 @@ def _rows(weights: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     padded = row_padded(weights.shape, np.dtype(np.float32))
     padded[...] = weights
     return padded
+
+
+def float_scores(grouped: npt.NDArray[np.float32], keys: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``K q`` for ``grouped`` ``(num_kv_heads, rows, head_dim)`` over float32 keys ``(num_tokens, H, d)``.
+
+    The keys stream token by token, each row (every head) read once, in
+    order: numpy's matmuls walk each head's plane separately, rows 4 KiB
+    apart at H=8, d=128, at a third of the read bandwidth with several query
+    rows a head (benchmarks/bench_formats.py ``--group``).
+
+    Returns:
+        A new ``(num_kv_heads, rows, num_tokens)`` float32 array laid out as :func:`scores` lays it.
+    """
+    from pagedkv.kernels import compiled
+
+    compile_kernels()
+    stored = np.ascontiguousarray(keys, np.float32)
+    out = row_padded((*grouped.shape[:2], len(stored)), np.dtype(np.float32))
+    compiled.float_scores_into(np.ascontiguousarray(grouped, np.float32), stored, out)
+    return out
+
+
+def float_weighted_values(
+    weights: npt.NDArray[np.float32], values: npt.NDArray[np.float32]
+) -> npt.NDArray[np.float32]:
+    """``weights . V``: weights ``(num_kv_heads, rows, num_tokens)``, values ``(num_tokens, H, d)`` float32.
+
+    Returns:
+        A new ``(num_kv_heads, rows, head_dim)`` float32 array.
+    """
+    from pagedkv.kernels import compiled
+
+    out = np.empty((*weights.shape[:2], values.shape[2]), np.float32)
+    compiled.float_weighted_values_into(_rows(weights), np.ascontiguousarray(values, np.float32), out)
+    return out
 
 
 def decode_into(
