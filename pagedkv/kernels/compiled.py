@@ -1,8 +1,9 @@
 """The numba-compiled loops behind :mod:`pagedkv.kernels.jit` (imported only by its ``compile_kernels``).
 
 Each token's page row is read once, in logical order: widened inside the dot products and the
-weighted sum (bit tricks and F16C for the 16-bit formats, explicit ``<32 x float>`` LLVM vectors
-with the scales folded in for int8 and fp8). Module level so numba caches the machine code on
+weighted sum (bit tricks and F16C for the 16-bit formats; explicit ``<32 x float>`` LLVM vectors
+for int8 and fp8, each group times its scale in registers, once for a kv head's query rows).
+Grouped-query decode over float32 pages streams the same way. Module level so numba caches the machine code on
 disk (it cannot cache closures); imports numba and llvmlite, the ``jit`` extra. Reduction
 order: :data:`pagedkv.kernels.jit.REDUCTION`. Measurements: docs/quantization.md.
 """
@@ -71,6 +72,18 @@ def group_scale(builder: Any, fmt: int, scale: Any) -> Any:
     return builder.fmul(scale, ir.Constant(ir.FloatType(), 256.0))
 
 
+def dequantized(builder: Any, fmt: int, codes: Any, scale: Any) -> Any:
+    """A ``<32 x i8>`` group of int8 (``fmt`` 0) or fp8 codes times its float ``scale``: the stored values.
+
+    One rounding, no contraction (``code * scale`` as ``StorageFormat.decode``
+    computes it; fp8's 2^-8 from :func:`widen_group` and the 256 of
+    :func:`group_scale` cancel exactly), so every query row of the kv head
+    multiplies the values the cache holds.
+    """
+    scales = broadcast(builder, group_scale(builder, fmt, scale))
+    return builder.fmul(widen_group(builder, fmt, codes), scales)
+
+
 def contracted(instruction: Any) -> Any:
     """``instruction`` allowed to fuse with its neighbour into one FMA (fixed when compiled)."""
     instruction.flags.append("contract")
@@ -97,19 +110,21 @@ def group_pointer(context: Any, builder: Any, array_type: Any, array: Any, start
 
 
 def scaled_dots_intrinsic(fmt: int, rows: int) -> Any:
-    """``rows`` query rows' scaled dot products with one int8 (``fmt`` 0) or fp8 (1) key, an intrinsic.
+    """``rows`` query rows' dot products with one int8 (``fmt`` 0) or fp8 (1) key, an intrinsic.
 
-    The key's codes are widened once for all the rows (grouped-query heads
-    share their kv head's key); each row's sum is the one-row sum, op for op.
+    Each group of the key is dequantized once (:func:`dequantized`) for all
+    the rows (grouped-query heads share their kv head's key); each row's sum
+    is the one-row sum, op for op.
     """
 
     @intrinsic  # type: ignore[misc, unused-ignore]
     def scaled_dots(typingctx: Any, queries: Any, query_start: Any, out: Any, out_start: Any, out_step: Any,
                     codes: Any, code_start: Any, scales: Any, scale_start: Any, num_groups: Any) -> Any:
-        """``out[out_start + r * out_step] = sum_g scale_g * (q_rg . code_g)``, r < rows, in explicit lanes.
+        """``out[out_start + r * out_step] = q_r . key``, r < rows, in explicit lanes.
 
-        Query row ``r`` starts at ``query_start + r * num_groups * 32``. Lane
-        ``l`` sums ``scale_g * q[32 g + l] * code[32 g + l]`` over the groups
+        Query row ``r`` starts at ``query_start + r * num_groups * 32``; the
+        key's values are ``code * scale_g`` (the stored values). Lane ``l``
+        sums ``q[32 g + l] * key[32 g + l]`` (fused) over the groups
         in order, then the 32 lanes are added by a fixed tree of halves: the
         order is written here, not chosen by LLVM or the CPU.
         """
@@ -131,16 +146,14 @@ def scaled_dots_intrinsic(fmt: int, rows: int) -> Any:
                 offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
                 code = builder.load(group_pointer(context, builder, sig.args[5], code_array,
                                                   builder.add(code_start, offset), ir.IntType(8)), align=1)
-                codes_widened = widen_group(builder, fmt, code)
-                scale = broadcast(builder, group_scale(builder, fmt, builder.load(
-                    builder.gep(scale_data, [builder.add(scale_start, loop.index)]))))
+                key = dequantized(builder, fmt, code, builder.load(
+                    builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
                 for row, total in enumerate(totals):
                     start = builder.add(builder.add(query_start, builder.mul(
                         row_length, ir.Constant(row_length.type, row))), offset)
                     query = builder.load(group_pointer(context, builder, sig.args[0], query_array, start,
                                                        ir.FloatType()), align=4)
-                    widened = contracted(builder.fmul(query, codes_widened))
-                    product = contracted(builder.fmul(widened, scale))
+                    product = contracted(builder.fmul(query, key))
                     builder.store(contracted(builder.fadd(builder.load(total), product)), total)
             out_data = context.make_array(sig.args[2])(context, builder, value=out_array).data
             for row, total in enumerate(totals):
@@ -163,17 +176,17 @@ def scaled_dots_intrinsic(fmt: int, rows: int) -> Any:
 
 
 def scaled_axpys_intrinsic(fmt: int, rows: int) -> Any:
-    """``rows`` rows' scaled accumulates of one int8 (``fmt`` 0) or fp8 (1) value, an intrinsic.
+    """``rows`` rows' accumulates of one int8 (``fmt`` 0) or fp8 (1) value, an intrinsic.
 
-    The value's codes are widened once for all the rows; each row's
-    accumulate is the one-row accumulate, op for op.
+    Each group of the value is dequantized once (:func:`dequantized`) for all
+    the rows; each row's accumulate is the one-row accumulate, op for op.
     """
 
     @intrinsic  # type: ignore[misc, unused-ignore]
     def scaled_axpys(typingctx: Any, out: Any, out_start: Any, weights: Any, weight_start: Any,
                      weight_step: Any, codes: Any, code_start: Any, scales: Any, scale_start: Any,
                      num_groups: Any) -> Any:
-        """Row r < rows: ``out[out_start + r d + 32 g + l] += (w_r * scale_g) * code[32 g + l]``.
+        """Row r < rows: ``out[out_start + r d + 32 g + l] += w_r * (code[32 g + l] * scale_g)`` (fused).
 
         ``w_r`` is ``weights``'s element ``weight_start + r * weight_step``; d = ``num_groups * 32``.
         """
@@ -188,22 +201,21 @@ def scaled_axpys_intrinsic(fmt: int, rows: int) -> Any:
             scale_data = context.make_array(sig.args[7])(context, builder, value=scale_array).data
             weight_data = context.make_array(sig.args[2])(context, builder, value=weight_array).data
             row_length = builder.mul(count, ir.Constant(count.type, GROUP))
-            weights_of_rows = [builder.load(builder.gep(weight_data, [builder.add(weight_start, builder.mul(
-                weight_step, ir.Constant(weight_step.type, row)))])) for row in range(rows)]
+            weights_of_rows = [broadcast(builder, builder.load(builder.gep(weight_data, [builder.add(
+                weight_start, builder.mul(weight_step, ir.Constant(weight_step.type, row)))])))
+                for row in range(rows)]
             with cgutils.for_range(builder, count) as loop:
                 offset = builder.mul(loop.index, ir.Constant(loop.index.type, GROUP))
                 code = builder.load(group_pointer(context, builder, sig.args[5], code_array,
                                                   builder.add(code_start, offset), ir.IntType(8)), align=1)
-                codes_widened = widen_group(builder, fmt, code)
-                scale = group_scale(builder, fmt, builder.load(
+                value = dequantized(builder, fmt, code, builder.load(
                     builder.gep(scale_data, [builder.add(scale_start, loop.index)])))
                 for row, weight in enumerate(weights_of_rows):
                     start = builder.add(builder.add(out_start, builder.mul(
                         row_length, ir.Constant(row_length.type, row))), offset)
                     target = group_pointer(context, builder, sig.args[0], out_array, start, ir.FloatType())
-                    coefficient = broadcast(builder, builder.fmul(weight, scale))
                     added = contracted(builder.fadd(builder.load(target, align=4), contracted(
-                        builder.fmul(coefficient, codes_widened))))
+                        builder.fmul(weight, value))))
                     builder.store(added, target, align=4)
             return context.get_dummy_value()
 
@@ -394,7 +406,7 @@ def scores_into(
 
     ``slots`` (``scale_slots``) empty: token ``t``'s codes (scales) are row ``t``.
     float16 and bfloat16 codes are widened inside the dot product; int8 and
-    fp8 ones in groups of 32 by :func:`scaled_dot_intrinsic` (numba's own
+    fp8 ones in groups of 32 by :func:`scaled_dots_intrinsic` (numba's own
     32-long loops do not fill LLVM's vector loop: measured 1.8x slower);
     other group sizes through a 4 KiB buffer (``widen_row``) and :func:`dot`.
     NOTE: ``out``'s head rows must not lie a multiple of 4 KiB apart (each
@@ -413,7 +425,7 @@ def scores_into(
                         out[head, row, token] = dot_float16(queries, head, row, codes, slot)
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
-    if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the sums
+    if group_size == 32:  # int8, fp8: explicit vector lanes, each group dequantized in registers
         out_head, out_row = out.strides[0] // 4, out.strides[1] // 4
         for token in range(num_tokens):
             prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
@@ -473,7 +485,7 @@ def weighted_values_into(
                             out[head, row, j] += weight * float32_from_float16_bits(codes[slot, head, j])
         return
     num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
-    if group_size == 32:  # int8, fp8: explicit vector lanes, scales folded into the weights
+    if group_size == 32:  # int8, fp8: explicit vector lanes, each group dequantized in registers
         weight_head, weight_row = weights.strides[0] // 4, weights.strides[1] // 4
         for token in range(num_tokens):
             prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)

@@ -26,8 +26,9 @@ FORMAT_CODES = {"int8": 0, "float8_e4m3": 1, "float16": 2, "bfloat16": 3}
 #: How the dot products over head_dim are summed.
 #:
 #: NOTE: int8 and fp8 (groups of 32): explicit ``<32 x float>`` LLVM vectors,
-#: lane ``l`` summing ``scale_g * q[32 g + l] * code[32 g + l]`` over the groups
-#: in order, then a fixed tree of halves; the order is in the IR, chosen by no
+#: lane ``l`` summing ``q[32 g + l] * (code[32 g + l] * scale_g)`` (the stored
+#: value, rounded once; fused multiply-add) over the groups in order, then a
+#: fixed tree of halves; the order is in the IR, chosen by no
 #: compiler pass. float16, bfloat16 and other group sizes: a plain loop over
 #: head_dim compiled with ``fastmath={"reassoc", "contract"}`` (explicit lane
 #: accumulators in numba code stay scalar, 0.46-0.70 ns an element against
@@ -36,7 +37,8 @@ FORMAT_CODES = {"int8": 0, "float8_e4m3": 1, "float16": 2, "bfloat16": 3}
 #: FMA contraction is fixed when compiled. Every call runs one compiled
 #: specialization (the array types are normalized), so the paged read and the
 #: recompute add the same numbers in the same order; tests/memory/test_formats_jit.py
-#: pins it. Nothing else in the kernel reassociates.
+#: pins it. Nothing else in the kernel reassociates. Grouped-query float32
+#: decode (:func:`float_scores`): the reassociated loop as for float16.
 REDUCTION = "explicit lanes (int8, fp8); reassoc + contract (others)"
 
 
