@@ -151,8 +151,8 @@ def scaled_dots_intrinsic(rows: int) -> Any:
         in order, then the 32 lanes are added by a fixed tree of halves: the
         order is written here, not chosen by LLVM or the CPU.
         """
-        # NOTE: the IR reads float32 queries and scales and 1-byte codes; the
-        # 2-byte specialization of scores_into types this call too (never run).
+        # NOTE: the IR reads float32 queries and scales and 1-byte codes
+        # (scores_grouped_into, compiled only for int8 and fp8 pages).
         if queries.dtype != types.float32 or scales.dtype != types.float32 or out.dtype != types.float32:
             return None  # a typing error
         intp = types.intp
@@ -408,7 +408,17 @@ def dot_float16(queries: Any, head: int, row: int, codes: Any, slot: int) -> Any
     return total
 
 
-@jit  # type: ignore[misc, unused-ignore]
+def loop_for(fmt: int, codes: Any, loops: tuple[Any, Any, Any]) -> Any:
+    """Which of ``(16-bit, groups of 32, widened)`` loops reads ``fmt``'s codes ``(num_slots, H * G, gs)``.
+
+    Each loop is a function of its own, compiled only for the codes it reads
+    (in one function every branch was compiled for both code widths).
+    """
+    if fmt == 2 or fmt == 3:  # float16, bfloat16
+        return loops[0]
+    return loops[1] if codes.shape[2] == GROUP else loops[2]
+
+
 def scores_into(
     queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
 ) -> None:
@@ -422,42 +432,63 @@ def scores_into(
     NOTE: ``out``'s head rows must not lie a multiple of 4 KiB apart (each
     token's stores would share one L1 set): :func:`pagedkv.kernels.jit.scores` pads them.
     """
+    loop = loop_for(fmt, codes, (scores_16bit_into, scores_grouped_into, scores_widened_into))
+    loop(queries, fmt, codes, scales, slots, scale_slots, out)
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def scores_16bit_into(
+    queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`scores_into` over bfloat16 (``fmt`` 3) or float16 (2) codes ``(num_slots, H, d)``."""
+    num_kv_heads, num_rows, _ = queries.shape
+    for token in range(out.shape[2]):
+        slot = slot_of(slots, token)
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                if fmt == 3:
+                    out[head, row, token] = dot_bfloat16(queries, head, row, codes, slot)
+                else:
+                    out[head, row, token] = dot_float16(queries, head, row, codes, slot)
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def scores_grouped_into(
+    queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`scores_into` over int8 (``fmt`` 0) or fp8 (1) codes in groups of 32: explicit vector lanes."""
     num_kv_heads, num_rows, head_dim = queries.shape
-    num_tokens = out.shape[2]
-    if fmt == 3 or fmt == 2:  # bfloat16, float16: codes (num_slots, H, d)
-        for token in range(num_tokens):
-            slot = slot_of(slots, token)
-            for head in range(num_kv_heads):
-                for row in range(num_rows):
-                    if fmt == 3:
-                        out[head, row, token] = dot_bfloat16(queries, head, row, codes, slot)
-                    else:
-                        out[head, row, token] = dot_float16(queries, head, row, codes, slot)
-        return
-    num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
-    if group_size == 32:  # int8, fp8: explicit vector lanes, each group dequantized in registers
-        out_head, out_row = out.strides[0] // 4, out.strides[1] // 4
-        for token in range(num_tokens):
-            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
-            slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
-            for head in range(num_kv_heads):
-                first = (slot * num_kv_heads + head) * num_groups
-                scale_first = (scale_slot * num_kv_heads + head) * num_groups
-                if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
-                    dots1(fmt, queries, head * head_dim, out, head * out_head + token, out_row, codes,
-                          first * 32, scales, scale_first, num_groups)
-                    continue
-                row = 0
-                while row < num_rows:  # grouped-query rows in blocks, each block widening the key once
-                    block = row_block(num_rows - row)
-                    dots(fmt, block, queries, (head * num_rows + row) * head_dim, out,
-                         head * out_head + row * out_row + token, out_row, codes, first * 32, scales,
-                         scale_first, num_groups)
-                    row += block
-        return
+    num_tokens, num_groups = out.shape[2], scales.shape[1] // num_kv_heads
+    out_head, out_row = out.strides[0] // 4, out.strides[1] // 4
+    for token in range(num_tokens):
+        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+        slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
+        for head in range(num_kv_heads):
+            first = (slot * num_kv_heads + head) * num_groups
+            scale_first = (scale_slot * num_kv_heads + head) * num_groups
+            if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
+                dots1(fmt, queries, head * head_dim, out, head * out_head + token, out_row, codes, first * 32,
+                      scales, scale_first, num_groups)
+                continue
+            row = 0
+            while row < num_rows:  # grouped-query rows in blocks, each block dequantizing the key once
+                block = row_block(num_rows - row)
+                dots(fmt, block, queries, (head * num_rows + row) * head_dim, out,
+                     head * out_head + row * out_row + token, out_row, codes, first * 32, scales, scale_first,
+                     num_groups)
+                row += block
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def scores_widened_into(
+    queries: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`scores_into` over int8 or fp8 codes in groups of another size: widened into a buffer first."""
+    num_kv_heads, num_rows, head_dim = queries.shape
+    num_groups = scales.shape[1] // num_kv_heads
     buffer = np.empty(num_kv_heads * head_dim, np.float32)  # 4 KiB at H=8, d=128
     widened = buffer.reshape(num_kv_heads, head_dim)
-    for token in range(num_tokens):
+    for token in range(out.shape[2]):
         widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), buffer, 0, head_dim,
                   num_groups)
         for head in range(num_kv_heads):
@@ -465,55 +496,77 @@ def scores_into(
                 out[head, row, token] = dot(queries, head, row, widened)
 
 
-@jit  # type: ignore[misc, unused-ignore]
 def weighted_values_into(
     weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
 ) -> None:
     """``out[h, r] = sum_t weights[h, r, t] * value(t, h)``, one token row at a time, in logical order.
 
-    ``slots`` and ``scale_slots`` as in :func:`scores_into`.
+    ``slots`` and ``scale_slots`` as in :func:`scores_into`; one loop per layout the same way.
     """
+    loop = loop_for(fmt, codes, (values_16bit_into, values_grouped_into, values_widened_into))
+    loop(weights, fmt, codes, scales, slots, scale_slots, out)
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def values_16bit_into(
+    weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`weighted_values_into` over bfloat16 (``fmt`` 3) or float16 (2) codes: widened in the loop."""
     num_kv_heads, num_rows, head_dim = out.shape
-    num_tokens = weights.shape[2]
     out[:] = 0.0
-    if fmt == 3 or fmt == 2:  # bfloat16, float16: widened in the loop
-        for token in range(num_tokens):
-            slot = slot_of(slots, token)
-            for head in range(num_kv_heads):
-                for row in range(num_rows):
-                    weight = weights[head, row, token]
-                    if fmt == 3:
-                        for j in range(head_dim):
-                            out[head, row, j] += weight * float32_from_bits(
-                                np.uint32(np.uint16(codes[slot, head, j])) << np.uint32(16))
-                    else:
-                        for j in range(head_dim):
-                            out[head, row, j] += weight * float32_from_float16_bits(codes[slot, head, j])
-        return
-    num_groups, group_size = scales.shape[1] // num_kv_heads, codes.shape[2]
-    if group_size == 32:  # int8, fp8: explicit vector lanes, each group dequantized in registers
-        weight_head, weight_row = weights.strides[0] // 4, weights.strides[1] // 4
-        for token in range(num_tokens):
-            prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
-            slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
-            for head in range(num_kv_heads):
-                first = (slot * num_kv_heads + head) * num_groups
-                scale_first = (scale_slot * num_kv_heads + head) * num_groups
-                if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
-                    axpys1(fmt, out, head * head_dim, weights, head * weight_head + token, weight_row, codes,
-                           first * 32, scales, scale_first, num_groups)
-                    continue
-                row = 0
-                while row < num_rows:  # grouped-query rows in blocks, each block widening the value once
-                    block = row_block(num_rows - row)
-                    axpys(fmt, block, out, (head * num_rows + row) * head_dim, weights,
-                          head * weight_head + row * weight_row + token, weight_row, codes, first * 32,
-                          scales, scale_first, num_groups)
-                    row += block
-        return
+    for token in range(weights.shape[2]):
+        slot = slot_of(slots, token)
+        for head in range(num_kv_heads):
+            for row in range(num_rows):
+                weight = weights[head, row, token]
+                if fmt == 3:
+                    for j in range(head_dim):
+                        out[head, row, j] += weight * float32_from_bits(
+                            np.uint32(np.uint16(codes[slot, head, j])) << np.uint32(16))
+                else:
+                    for j in range(head_dim):
+                        out[head, row, j] += weight * float32_from_float16_bits(codes[slot, head, j])
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def values_grouped_into(
+    weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`weighted_values_into` over int8 (``fmt`` 0) or fp8 (1) codes in groups of 32."""
+    num_kv_heads, num_rows, head_dim = out.shape
+    num_tokens, num_groups = weights.shape[2], scales.shape[1] // num_kv_heads
+    out[:] = 0.0
+    weight_head, weight_row = weights.strides[0] // 4, weights.strides[1] // 4
+    for token in range(num_tokens):
+        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+        slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
+        for head in range(num_kv_heads):
+            first = (slot * num_kv_heads + head) * num_groups
+            scale_first = (scale_slot * num_kv_heads + head) * num_groups
+            if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
+                axpys1(fmt, out, head * head_dim, weights, head * weight_head + token, weight_row, codes,
+                       first * 32, scales, scale_first, num_groups)
+                continue
+            row = 0
+            while row < num_rows:  # grouped-query rows in blocks, each block dequantizing the value once
+                block = row_block(num_rows - row)
+                axpys(fmt, block, out, (head * num_rows + row) * head_dim, weights,
+                      head * weight_head + row * weight_row + token, weight_row, codes, first * 32, scales,
+                      scale_first, num_groups)
+                row += block
+
+
+@jit  # type: ignore[misc, unused-ignore]
+def values_widened_into(
+    weights: Any, fmt: int, codes: Any, scales: Any, slots: Any, scale_slots: Any, out: Any
+) -> None:
+    """:func:`weighted_values_into` over int8 or fp8 codes in groups of another size: via a buffer."""
+    num_kv_heads, num_rows, head_dim = out.shape
+    num_groups = scales.shape[1] // num_kv_heads
+    out[:] = 0.0
     buffer = np.empty(num_kv_heads * head_dim, np.float32)
     widened = buffer.reshape(num_kv_heads, head_dim)
-    for token in range(num_tokens):
+    for token in range(weights.shape[2]):
         widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), buffer, 0, head_dim,
                   num_groups)
         for head in range(num_kv_heads):
