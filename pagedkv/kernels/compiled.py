@@ -291,6 +291,19 @@ def prefetch_row(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: i
             prefetch(scales, slot_of(scale_slots, token) * scale_size + line)
 
 
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def token_rows(codes: Any, scales: Any, slots: Any, scale_slots: Any, token: int, num_tokens: int) -> Any:
+    """Token ``token``'s code row and scale row, prefetching the row ``PREFETCH_TOKENS`` tokens ahead."""
+    prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
+    return slot_of(slots, token), slot_of(scale_slots, token)
+
+
+@numba.njit(inline="always", nogil=True, error_model="numpy", boundscheck=False)  # type: ignore[misc, unused-ignore]
+def head_starts(slot: int, scale_slot: int, head: int, num_kv_heads: int, num_groups: int) -> Any:
+    """Where kv head ``head``'s codes start (an element of the flat codes), and its scales."""
+    return (slot * num_kv_heads + head) * num_groups * GROUP, (scale_slot * num_kv_heads + head) * num_groups
+
+
 FLOATS = ir.VectorType(ir.FloatType(), GROUP)
 dots4, dots2, dots1 = (scaled_dots_intrinsic(rows) for rows in (4, 2, 1))
 axpys4, axpys2, axpys1 = (scaled_axpys_intrinsic(rows) for rows in (4, 2, 1))
@@ -461,20 +474,18 @@ def scores_grouped_into(
     num_tokens, num_groups = out.shape[2], scales.shape[1] // num_kv_heads
     out_head, out_row = out.strides[0] // 4, out.strides[1] // 4
     for token in range(num_tokens):
-        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
-        slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
+        slot, scale_slot = token_rows(codes, scales, slots, scale_slots, token, num_tokens)
         for head in range(num_kv_heads):
-            first = (slot * num_kv_heads + head) * num_groups
-            scale_first = (scale_slot * num_kv_heads + head) * num_groups
+            code_start, scale_start = head_starts(slot, scale_slot, head, num_kv_heads, num_groups)
             if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
-                dots1(fmt, queries, head * head_dim, out, head * out_head + token, out_row, codes, first * 32,
-                      scales, scale_first, num_groups)
+                dots1(fmt, queries, head * head_dim, out, head * out_head + token, out_row, codes, code_start,
+                      scales, scale_start, num_groups)
                 continue
             row = 0
             while row < num_rows:  # grouped-query rows in blocks, each block dequantizing the key once
                 block = row_block(num_rows - row)
                 dots(fmt, block, queries, (head * num_rows + row) * head_dim, out,
-                     head * out_head + row * out_row + token, out_row, codes, first * 32, scales, scale_first,
+                     head * out_head + row * out_row + token, out_row, codes, code_start, scales, scale_start,
                      num_groups)
                 row += block
 
@@ -538,21 +549,19 @@ def values_grouped_into(
     out[:] = 0.0
     weight_head, weight_row = weights.strides[0] // 4, weights.strides[1] // 4
     for token in range(num_tokens):
-        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
-        slot, scale_slot = slot_of(slots, token), slot_of(scale_slots, token)
+        slot, scale_slot = token_rows(codes, scales, slots, scale_slots, token, num_tokens)
         for head in range(num_kv_heads):
-            first = (slot * num_kv_heads + head) * num_groups
-            scale_first = (scale_slot * num_kv_heads + head) * num_groups
+            code_start, scale_start = head_starts(slot, scale_slot, head, num_kv_heads, num_groups)
             if num_rows == 1:  # one query row a kv head: the block loop measured 9% slower at 16k tokens
                 axpys1(fmt, out, head * head_dim, weights, head * weight_head + token, weight_row, codes,
-                       first * 32, scales, scale_first, num_groups)
+                       code_start, scales, scale_start, num_groups)
                 continue
             row = 0
             while row < num_rows:  # grouped-query rows in blocks, each block dequantizing the value once
                 block = row_block(num_rows - row)
                 axpys(fmt, block, out, (head * num_rows + row) * head_dim, weights,
-                      head * weight_head + row * weight_row + token, weight_row, codes, first * 32, scales,
-                      scale_first, num_groups)
+                      head * weight_head + row * weight_row + token, weight_row, codes, code_start, scales,
+                      scale_start, num_groups)
                 row += block
 
 
@@ -623,6 +632,6 @@ def widen_tokens_into(fmt: int, codes: Any, scales: Any, slots: Any, scale_slots
     rounding, as ``StorageFormat.decode_into``), for BLAS to multiply.
     """
     for token in range(num_tokens):
-        prefetch_row(codes, scales, slots, scale_slots, token + PREFETCH_TOKENS, num_tokens)
-        widen_row(fmt, codes, scales, slot_of(slots, token), slot_of(scale_slots, token), out,
-                  token * token_stride, head_stride, groups_per_head)
+        slot, scale_slot = token_rows(codes, scales, slots, scale_slots, token, num_tokens)
+        widen_row(fmt, codes, scales, slot, scale_slot, out, token * token_stride, head_stride,
+                  groups_per_head)
