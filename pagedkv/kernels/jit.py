@@ -61,9 +61,10 @@ Side = tuple[str, npt.NDArray[Any], "npt.NDArray[np.floating] | None"]
 def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]:
     """A side for the kernels: format, codes ``(num_slots, H * G, gs)``, scales ``(num_scale_slots, H * G)``.
 
-    The same array types on every call (C-contiguous; int8 or int16 codes;
-    float32 scales, an empty row for a scale-free format), so the paged read
-    and the recompute run one compiled specialization.
+    The same array types on every call (C-contiguous and read-only, whether
+    or not the pages are mapped read-only; int8 or int16 codes; float32
+    scales, an empty row for a scale-free format), so the paged read and the
+    recompute run one compiled specialization.
     """
     name, codes, scales = side
     num_slots = codes.shape[0]
@@ -74,7 +75,19 @@ def _stored(side: Side) -> tuple[int, npt.NDArray[Any], npt.NDArray[np.float32]]
     else:
         stored_scales = np.ascontiguousarray(scales, np.float32).reshape(len(scales), -1)
         num_groups = stored_scales.shape[1]
-    return FORMAT_CODES[name], raw.reshape(num_slots, num_groups, -1), stored_scales
+    return FORMAT_CODES[name], _read_only(raw.reshape(num_slots, num_groups, -1)), _read_only(stored_scales)
+
+
+def _read_only(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A read-only view of ``array``, so what the kernels only read has one numba type.
+
+    A page view's mapped codes are read-only and the recompute's are not:
+    each flag compiled a loop of its own (and two specializations for the
+    paged read and its recompute).
+    """
+    view: npt.NDArray[Any] = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def scores(
@@ -147,7 +160,7 @@ def float_scores(grouped: npt.NDArray[np.float32], keys: npt.NDArray[np.float32]
     from pagedkv.kernels import compiled
 
     compile_kernels()
-    stored = np.ascontiguousarray(keys, np.float32)
+    stored = _read_only(np.ascontiguousarray(keys, np.float32))
     out = row_padded((*grouped.shape[:2], len(stored)), np.dtype(np.float32))
     compiled.float_scores_into(np.ascontiguousarray(grouped, np.float32), stored, out)
     return out
@@ -164,7 +177,8 @@ def float_weighted_values(
     from pagedkv.kernels import compiled
 
     out = np.empty((*weights.shape[:2], values.shape[2]), np.float32)
-    compiled.float_weighted_values_into(_rows(weights), np.ascontiguousarray(values, np.float32), out)
+    stored = _read_only(np.ascontiguousarray(values, np.float32))
+    compiled.float_weighted_values_into(_rows(weights), stored, out)
     return out
 
 
