@@ -43,7 +43,7 @@ REDUCTION = "explicit lanes (int8, fp8); reassoc + contract (others)"
 
 
 def compile_kernels() -> Any:
-    """The compiled ``(scores_into, weighted_values_into)`` pair (numba imported here, on first use).
+    """The ``(scores_into, weighted_values_into)`` entry points to the compiled loops (numba imported here).
 
     Raises:
         ImportError: numba is not installed (the ``jit`` extra).
