@@ -26,6 +26,7 @@ from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 __all__ = [
     "CHUNK_TOKENS",
     "EINSUM_MIN_BYTES",
+    "GROUPED_CHUNK_TOKENS",
     "KEYS_FIRST_MIN_TOKENS",
     "attend_batch",
     "attend_chunked",
@@ -64,6 +65,18 @@ EINSUM_MIN_BYTES = 1 << 22
 #: ``benchmarks/bench_transformers.py``). Like ``EINSUM_MIN_BYTES`` it depends
 #: only on the shape, so every path rounds alike.
 KEYS_FIRST_MIN_TOKENS = 512
+
+#: From ``KEYS_FIRST_MIN_TOKENS`` on, a grouped-query decode multiplies this many tokens at a time:
+#: ``(scores, values)``.
+#:
+#: NOTE: over the pool's token-major pages each head's rows lie ``H * d`` floats apart, and one
+#: matmul over the whole window read them at a third of the gemv's bandwidth (8k tokens, H=8,
+#: group 4, d=128: scores 6.1 ms, values 5.1 ms, against 3.3 ms for a whole one-row decode).
+#: Chunks of 256 and 512 tokens keep each chunk's rows in L2 while every head reads its part:
+#: 3.8 and 3.7 ms there, 1.3-1.9x at 2k-16k tokens and groups 2-8, equal at 1k and at issue 14's
+#: H=4, group 2, d=64 (``benchmarks/bench_formats.py --group 4``, docs/paging.md). The values'
+#: chunk sums are added in chunk order; shape alone decides, so every path rounds alike.
+GROUPED_CHUNK_TOKENS = (256, 512)
 
 
 def softmax_rows(
@@ -158,14 +171,38 @@ def attend_dense(
         out = np.einsum("hgn,hnd->hgd", scores, values)  # (num_kv_heads, group, head_dim)
     else:
         if group > 1 and num_tokens >= KEYS_FIRST_MIN_TOKENS:
-            # (num_kv_heads, num_tokens, group), made (num_kv_heads, group, num_tokens) and contiguous
-            by_token = np.matmul(keys, np.ascontiguousarray(grouped.transpose(0, 2, 1)))
-            scores = by_token.transpose(0, 2, 1).copy()
-        else:
-            scores = np.matmul(grouped, keys.transpose(0, 2, 1))
+            return _attend_grouped_chunks(grouped, keys, values, scale).reshape(query.shape)
+        scores = np.matmul(grouped, keys.transpose(0, 2, 1))
         out = np.matmul(softmax_rows(scores, scale), values)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result
+
+
+def _attend_grouped_chunks(
+    grouped: npt.NDArray[np.floating],
+    keys: npt.NDArray[np.floating],
+    values: npt.NDArray[np.floating],
+    scale: float,
+) -> npt.NDArray[np.floating]:
+    """A long grouped-query decode, ``(num_kv_heads, group, head_dim)``: chunk by chunk (``GROUPED_CHUNK_TOKENS``).
+
+    Each chunk scores as ``K @ q^T`` (``KEYS_FIRST_MIN_TOKENS``) into its
+    columns of rows padded apart (``row_padded``), and the values' products
+    are summed in chunk order.
+    """
+    num_kv_heads, num_tokens, _ = keys.shape
+    score_chunk, value_chunk = GROUPED_CHUNK_TOKENS
+    query_t = np.ascontiguousarray(grouped.transpose(0, 2, 1))
+    scores = row_padded((num_kv_heads, grouped.shape[1], num_tokens), grouped.dtype)
+    for start in range(0, num_tokens, score_chunk):
+        end = min(num_tokens, start + score_chunk)
+        # (num_kv_heads, chunk, group) into the chunk's columns of (num_kv_heads, group, num_tokens)
+        scores[:, :, start:end] = np.matmul(keys[:, start:end], query_t).transpose(0, 2, 1)
+    weights = softmax_rows(scores, scale)
+    out = np.matmul(weights[:, :, :value_chunk], values[:, :value_chunk])
+    for start in range(value_chunk, num_tokens, value_chunk):
+        out += np.matmul(weights[:, :, start : start + value_chunk], values[:, start : start + value_chunk])
+    return out
 
 
 def _streams_compiled(*arrays: npt.NDArray[np.floating]) -> bool:

@@ -256,9 +256,43 @@ def test_grouped_queries_score_keys_first_from_the_threshold(
 
     monkeypatch.setattr(np, "matmul", spy)
     out = attention.attend_dense(query, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0.3)
-    keys_first = num_tokens >= attention.KEYS_FIRST_MIN_TOKENS
-    assert first_operands[0] == ((2, num_tokens, 8) if keys_first else (2, 2, 8))
+    if num_tokens >= attention.KEYS_FIRST_MIN_TOKENS:  # keys first, chunk by chunk (GROUPED_CHUNK_TOKENS)
+        score_chunk, value_chunk = attention.GROUPED_CHUNK_TOKENS
+        expected = [(2, min(score_chunk, num_tokens - start), 8) for start in range(0, num_tokens, score_chunk)]
+        expected += [(2, 2, min(value_chunk, num_tokens - start)) for start in range(0, num_tokens, value_chunk)]
+    else:
+        expected = [(2, 2, 8), (2, 2, num_tokens)]
+    assert first_operands == expected
     np.testing.assert_allclose(out, _oracle(query, keys, values, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def _chunked_decodes_match_the_oracle() -> bool:
+    """Long grouped decodes at every chunk edge (``GROUPED_CHUNK_TOKENS``), each near the float64 oracle."""
+    score_chunk, value_chunk = attention.GROUPED_CHUNK_TOKENS
+    lengths = sorted({n + d for n in (2 * score_chunk, 2 * value_chunk, 3 * value_chunk) for d in (-1, 0, 1)})
+    for num_tokens in lengths:
+        rng = np.random.default_rng(num_tokens)
+        keys = rng.standard_normal((num_tokens, 2, 8)).astype(np.float32)
+        values = rng.standard_normal((num_tokens, 2, 8)).astype(np.float32)
+        query = rng.standard_normal((6, 8)).astype(np.float32)  # group 3
+        out = attention.attend_dense(query, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0.3)
+        if not np.allclose(out, _oracle(query, keys, values, 0.3), rtol=1e-4, atol=1e-5):
+            return False
+    return True
+
+
+def test_a_long_grouped_decode_is_right_at_every_chunk_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _chunked_decodes_match_the_oracle()
+    # Planted: the value chunks after the first are never added. The same check must fail.
+    real = attention._attend_grouped_chunks
+
+    def first_value_chunk_only(grouped: Any, keys: Any, values: Any, scale: float) -> Any:
+        dropped = values.copy()
+        dropped[:, attention.GROUPED_CHUNK_TOKENS[1] :] = 0.0
+        return real(grouped, keys, dropped, scale)
+
+    monkeypatch.setattr(attention, "_attend_grouped_chunks", first_value_chunk_only)
+    assert not _chunked_decodes_match_the_oracle()
 
 
 def test_a_long_grouped_decode_equals_the_reference_bit_for_bit() -> None:
