@@ -26,6 +26,7 @@ from pagedkv.memory.quantization import QuantizedTokens, Tokens, scratch_buffer
 __all__ = [
     "CHUNK_TOKENS",
     "EINSUM_MIN_BYTES",
+    "GROUPED_CHUNK_MIN_TOKENS",
     "GROUPED_CHUNK_TOKENS",
     "KEYS_FIRST_MIN_TOKENS",
     "attend_batch",
@@ -66,16 +67,20 @@ EINSUM_MIN_BYTES = 1 << 22
 #: only on the shape, so every path rounds alike.
 KEYS_FIRST_MIN_TOKENS = 512
 
-#: From ``KEYS_FIRST_MIN_TOKENS`` on, a grouped-query decode multiplies this many tokens at a time:
-#: ``(scores, values)``.
+#: From this many tokens on, a grouped-query decode multiplies ``GROUPED_CHUNK_TOKENS`` at a time.
 #:
 #: NOTE: over the pool's token-major pages each head's rows lie ``H * d`` floats apart, and one
-#: matmul over the whole window read them at a third of the gemv's bandwidth (8k tokens, H=8,
-#: group 4, d=128: scores 6.1 ms, values 5.1 ms, against 3.3 ms for a whole one-row decode).
-#: Chunks of 256 and 512 tokens keep each chunk's rows in L2 while every head reads its part:
-#: 3.8 and 3.7 ms there, 1.3-1.9x at 2k-16k tokens and groups 2-8, equal at 1k and at issue 14's
-#: H=4, group 2, d=64 (``benchmarks/bench_formats.py --group 4``, docs/paging.md). The values'
-#: chunk sums are added in chunk order; shape alone decides, so every path rounds alike.
+#: matmul over the whole window read them at a third of the gemv's bandwidth once the window
+#: outgrows L2 (8k tokens, H=8, group 4, d=128: scores 6.1 ms, values 5.1 ms, against 3.3 ms for
+#: a whole one-row decode). Chunks of 256 tokens (scores) and 512 (values) keep each chunk's rows
+#: in L2 while every head reads its part: 3.8 and 3.7 ms there, 1.3-1.9x faster at 2k-16k tokens
+#: and groups 2-8. At 1k tokens the chunks' extra calls and padded scores cost 0.76 -> 0.93 ms
+#: (cache-cold): the switch sits at 2k, where chunks won 2.5 -> 2.0-2.2 ms. Shape alone decides,
+#: and the values' chunk sums are added in chunk order, so every path rounds alike
+#: (``benchmarks/bench_formats.py --group 4``, docs/paging.md).
+GROUPED_CHUNK_MIN_TOKENS = 2048
+
+#: Tokens per matmul of a long grouped-query decode (``GROUPED_CHUNK_MIN_TOKENS``): ``(scores, values)``.
 GROUPED_CHUNK_TOKENS = (256, 512)
 
 
@@ -170,9 +175,14 @@ def attend_dense(
             scores[...] = softmax_rows(np.ascontiguousarray(scores), scale)
         out = np.einsum("hgn,hnd->hgd", scores, values)  # (num_kv_heads, group, head_dim)
     else:
-        if group > 1 and num_tokens >= KEYS_FIRST_MIN_TOKENS:
+        if group > 1 and num_tokens >= GROUPED_CHUNK_MIN_TOKENS:
             return _attend_grouped_chunks(grouped, keys, values, scale).reshape(query.shape)
-        scores = np.matmul(grouped, keys.transpose(0, 2, 1))
+        if group > 1 and num_tokens >= KEYS_FIRST_MIN_TOKENS:
+            # (num_kv_heads, num_tokens, group), made (num_kv_heads, group, num_tokens) and contiguous
+            by_token = np.matmul(keys, np.ascontiguousarray(grouped.transpose(0, 2, 1)))
+            scores = by_token.transpose(0, 2, 1).copy()
+        else:
+            scores = np.matmul(grouped, keys.transpose(0, 2, 1))
         out = np.matmul(softmax_rows(scores, scale), values)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result

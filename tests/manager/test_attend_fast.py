@@ -256,20 +256,17 @@ def test_grouped_queries_score_keys_first_from_the_threshold(
 
     monkeypatch.setattr(np, "matmul", spy)
     out = attention.attend_dense(query, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0.3)
-    if num_tokens >= attention.KEYS_FIRST_MIN_TOKENS:  # keys first, chunk by chunk (GROUPED_CHUNK_TOKENS)
-        score_chunk, value_chunk = attention.GROUPED_CHUNK_TOKENS
-        expected = [(2, min(score_chunk, num_tokens - start), 8) for start in range(0, num_tokens, score_chunk)]
-        expected += [(2, 2, min(value_chunk, num_tokens - start)) for start in range(0, num_tokens, value_chunk)]
-    else:
-        expected = [(2, 2, 8), (2, 2, num_tokens)]
-    assert first_operands == expected
+    keys_first = num_tokens >= attention.KEYS_FIRST_MIN_TOKENS
+    assert first_operands == [(2, num_tokens, 8) if keys_first else (2, 2, 8), (2, 2, num_tokens)]
     np.testing.assert_allclose(out, _oracle(query, keys, values, 0.3), rtol=1e-4, atol=1e-5)
 
 
 def _chunked_decodes_match_the_oracle() -> bool:
     """Long grouped decodes at every chunk edge (``GROUPED_CHUNK_TOKENS``), each near the float64 oracle."""
     score_chunk, value_chunk = attention.GROUPED_CHUNK_TOKENS
-    lengths = sorted({n + d for n in (2 * score_chunk, 2 * value_chunk, 3 * value_chunk) for d in (-1, 0, 1)})
+    first = attention.GROUPED_CHUNK_MIN_TOKENS
+    edges = (first, first + score_chunk, first + value_chunk + score_chunk)
+    lengths = sorted({n + d for n in edges for d in (-1, 0, 1)})
     for num_tokens in lengths:
         rng = np.random.default_rng(num_tokens)
         keys = rng.standard_normal((num_tokens, 2, 8)).astype(np.float32)
@@ -282,7 +279,13 @@ def _chunked_decodes_match_the_oracle() -> bool:
 
 
 def test_a_long_grouped_decode_is_right_at_every_chunk_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real_chunks = attention._attend_grouped_chunks
+    monkeypatch.setattr(attention, "_attend_grouped_chunks",
+                        lambda grouped, keys, *rest: calls.append(keys.shape[1]) or real_chunks(grouped, keys, *rest))
     assert _chunked_decodes_match_the_oracle()
+    assert min(calls) == attention.GROUPED_CHUNK_MIN_TOKENS  # shorter windows take one matmul
+    monkeypatch.undo()
     # Planted: the value chunks after the first are never added. The same check must fail.
     real = attention._attend_grouped_chunks
 
@@ -295,9 +298,13 @@ def test_a_long_grouped_decode_is_right_at_every_chunk_edge(monkeypatch: pytest.
     assert not _chunked_decodes_match_the_oracle()
 
 
-def test_a_long_grouped_decode_equals_the_reference_bit_for_bit() -> None:
-    num_tokens = attention.KEYS_FIRST_MIN_TOKENS + 40  # the keys-first scoring
-    manager = make_manager(48, block_size=16, num_kv_heads=2, head_dim=4, num_q_heads=6, dtype=np.float32)
+@pytest.mark.parametrize("num_tokens", [
+    attention.KEYS_FIRST_MIN_TOKENS + 40,  # the keys-first scoring
+    attention.GROUPED_CHUNK_MIN_TOKENS + 300,  # chunk by chunk
+])
+def test_a_long_grouped_decode_equals_the_reference_bit_for_bit(num_tokens: int) -> None:
+    manager = make_manager(-(-num_tokens // 16), block_size=16, num_kv_heads=2, head_dim=4, num_q_heads=6,
+                           dtype=np.float32)
     manager.add_sequence("a")
     rng = np.random.default_rng(11)
     keys = rng.standard_normal((num_tokens, 2, 4)).astype(np.float32)
