@@ -74,11 +74,13 @@ KEYS_FIRST_MIN_TOKENS = 512
 #: outgrows L2 (8k tokens, H=8, group 4, d=128: scores 6.1 ms, values 5.1 ms, against 3.3 ms for
 #: a whole one-row decode). Chunks of 256 tokens (scores) and 512 (values) keep each chunk's rows
 #: in L2 while every head reads its part: 3.8 and 3.7 ms there, 1.3-1.9x faster at 2k-16k tokens
-#: and groups 2-8. At 1k tokens the chunks' extra calls and padded scores cost 0.76 -> 0.93 ms
-#: (cache-cold): the switch sits at 2k, where chunks won 2.5 -> 2.0-2.2 ms. Shape alone decides,
-#: and the values' chunk sums are added in chunk order, so every path rounds alike
-#: (``benchmarks/bench_formats.py --group 4``, docs/paging.md).
-GROUPED_CHUNK_MIN_TOKENS = 2048
+#: and groups 2-8 (arrays alone). Through the pool (``benchmarks/bench_formats.py --group G``, two
+#: runs): group 4 at 3k 3.7-4.1 -> 3.1-3.2 ms, 8k 9.6-10.8 -> 8.9, 16k 24-25 -> 17 ms; group 2 at
+#: 4k 4.2-4.6 -> 3.2-3.4, 8k 9.3-10.4 -> 7.0-7.8, 16k 23-25 -> 13-14 ms. At 1k-2k the chunks'
+#: extra calls and padded scores cost as much as they save or more (1k, arrays: 0.76 -> 0.93 ms;
+#: 2k group 2: 1.7-1.9 -> 2.0 ms): the switch sits at 3k. Shape alone decides, and the values'
+#: chunk sums are added in chunk order, so every path rounds alike (docs/paging.md).
+GROUPED_CHUNK_MIN_TOKENS = 3072
 
 #: Tokens per matmul of a long grouped-query decode (``GROUPED_CHUNK_MIN_TOKENS``): ``(scores, values)``.
 GROUPED_CHUNK_TOKENS = (256, 512)
@@ -194,7 +196,7 @@ def _attend_grouped_chunks(
     values: npt.NDArray[np.floating],
     scale: float,
 ) -> npt.NDArray[np.floating]:
-    """A long grouped-query decode, ``(num_kv_heads, group, head_dim)``: chunk by chunk (``GROUPED_CHUNK_TOKENS``).
+    """A long grouped-query decode ``(num_kv_heads, group, head_dim)``, ``GROUPED_CHUNK_TOKENS`` at a time.
 
     Each chunk scores as ``K @ q^T`` (``KEYS_FIRST_MIN_TOKENS``) into its
     columns of rows padded apart (``row_padded``), and the values' products
@@ -209,7 +211,7 @@ def _attend_grouped_chunks(
         # (num_kv_heads, chunk, group) into the chunk's columns of (num_kv_heads, group, num_tokens)
         scores[:, :, start:end] = np.matmul(keys[:, start:end], query_t).transpose(0, 2, 1)
     weights = softmax_rows(scores, scale)
-    out = np.matmul(weights[:, :, :value_chunk], values[:, :value_chunk])
+    out: npt.NDArray[np.floating] = np.matmul(weights[:, :, :value_chunk], values[:, :value_chunk])
     for start in range(value_chunk, num_tokens, value_chunk):
         out += np.matmul(weights[:, :, start : start + value_chunk], values[:, start : start + value_chunk])
     return out
