@@ -11,8 +11,9 @@ values) over the time, against a one-thread numpy gemv over a cold 64 MiB float3
 turns with the rows ("of gemv"). A format a pool cannot map shows "gathers" in its views row.
 Outputs are checked bit for bit between views and gather. Nothing is asserted about time.
 
-Run: ``python benchmarks/bench_formats.py [--quick] [--save] [--kernel numba] [--group 4]``
-(``--save`` writes ``benchmarks/results/formats.json``).
+Run: ``python benchmarks/bench_formats.py [--quick] [--save] [--kernel numba] [--group 4] [--warm]``
+(``--save`` writes ``benchmarks/results/formats.json``; ``--warm`` times each call right after an
+untimed one of the same row, no flush: the pages in cache as far as they fit, the kernel's own speed).
 """
 
 from __future__ import annotations
@@ -78,12 +79,18 @@ def gemv_probe() -> tuple[Callable[[], object], int]:
     return (lambda: matrix @ vector), matrix.nbytes
 
 
-def measure(rows: dict[str, Callable[[], object]], repeats: int, flush: Flusher) -> dict[str, float]:
-    """Median microseconds of each row, the rows taking turns within every repeat."""
+def measure(rows: dict[str, Callable[[], object]], repeats: int, flush: Flusher | None) -> dict[str, float]:
+    """Median microseconds of each row, the rows taking turns within every repeat.
+
+    ``flush`` None: each timed call right after an untimed one of the same row (warm).
+    """
     samples: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
         for name, run in rows.items():
-            flush()
+            if flush is None:
+                run()
+            else:
+                flush()
             start = now()
             run()
             samples[name].append(now() - start)
@@ -103,17 +110,22 @@ def main() -> None:
                              "for one query row a kv head)")
     parser.add_argument("--group", type=int, default=1,
                         help="query heads per kv head (grouped-query attention; default 1: 8 query heads)")
+    parser.add_argument("--warm", action="store_true",
+                        help="time each call right after an untimed one of the same row, no flush: "
+                             "the pages in cache as far as they fit (the kernel's own speed)")
     args = parser.parse_args()
     set_kernel(args.kernel)
     clock = use_clock(args.clock)
     lengths = args.lengths or ((1024, 8192) if args.quick else (1024, 8192, 16384))
     formats = (None, *args.formats) if args.formats else FORMATS
     repeats = 3 if args.quick else 11
+    caches = "warm (each call after one of its own)" if args.warm else "cache-cold"
     print(header("Storage formats: decode and prefill over fragmented shared pools",
                  [f"H={H} kv heads, {H * args.group} query heads, head_dim {D}, block_size {BS}, "
-                  f"float32 compute, prefill chunk {PREFILL}, two interleaved tables, cache-cold, "
-                  f"medians of {repeats}", f"clock: {clock}, decode kernel: {args.kernel}"]))
-    flush = Flusher()
+                  f"float32 compute, prefill chunk {PREFILL}, two interleaved tables, {caches}, "
+                  f"medians of {repeats}",
+                  f"clock: {clock}, decode kernel: {args.kernel}"]))
+    flush = None if args.warm else Flusher()
     rng = np.random.default_rng(2)
     query = rng.standard_normal((1, H * args.group, D), dtype=np.float32)
     prefill = rng.standard_normal((PREFILL, H * args.group, D), dtype=np.float32)
