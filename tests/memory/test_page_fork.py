@@ -470,6 +470,98 @@ def forks_from_many_threads(num_forks: int) -> int:
     return num_forks - codes.count(0)
 
 
+def two_forks_at_once() -> str:
+    """Two threads run the fork hooks at once, in a fixed interleaving; what went wrong ("" if nothing).
+
+    Thread A enters a fork (``_before``) and stays; thread B then starts one.
+    B must wait for A's to end, A's ``after`` must release A's locks (not
+    B's, nor none), B must then hold every lock until its own ``after``.
+    Deterministic, unlike ``forks_from_many_threads``, which a hook sharing one
+    fork record between threads passed in 1,000 forks.
+    """
+    pools = [views_pool(), views_pool()]
+    locks = held_locks(pools)
+
+    def num_free() -> int:
+        free = 0
+        for lock in locks:
+            if lock.acquire(blocking=False):
+                lock.release()
+                free += 1
+        return free
+
+    a_in, a_go, b_in, b_go = (threading.Event() for _ in range(4))
+
+    def thread_a() -> None:
+        page_fork._before()
+        a_in.set()
+        a_go.wait(10)
+        page_fork._after_in_parent()
+
+    def thread_b() -> None:
+        a_in.wait(10)
+        page_fork._before()
+        b_in.set()
+        b_go.wait(10)
+        page_fork._after_in_parent()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    problems = []
+    if not a_in.wait(10):
+        problems.append("the first fork never began")
+    if b_in.wait(0.3):
+        problems.append("the second fork began inside the first")
+    if num_free():
+        problems.append(f"{num_free()} of {len(locks)} locks free inside the first fork")
+    a_go.set()
+    if not b_in.wait(0.5):
+        problems.append("the first fork's end did not let the second begin")
+    elif num_free():
+        problems.append(f"{num_free()} of {len(locks)} locks free inside the second fork")
+    b_go.set()
+    for thread in threads:
+        thread.join(10)
+    if num_free() != len(locks):
+        problems.append(f"{len(locks) - num_free()} of {len(locks)} locks still held after both forks")
+    return "; ".join(problems)
+
+
+def test_two_forks_at_once_each_release_their_own_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(page_fork, "LOCK_TIMEOUT_S", 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hook forking without a lock warns: a failure here
+        assert two_forks_at_once() == ""
+
+
+PLANTED_SHARED_FORK_RECORD = """
+import sys, types, warnings
+sys.path.insert(0, {folder!r})
+warnings.simplefilter("ignore")
+from pagedkv.memory import fork as page_fork
+class Unserialised:
+    def acquire(self, *args, **kwargs):
+        return True
+    def release(self):
+        pass
+page_fork._FORKING = Unserialised()
+page_fork._LOCAL = types.SimpleNamespace(fork=None)  # one fork record for every thread
+page_fork.LOCK_TIMEOUT_S = 1.0
+from test_page_fork import two_forks_at_once
+print(two_forks_at_once())
+"""
+
+
+def test_a_hook_sharing_one_fork_record_between_threads_is_caught() -> None:
+    # Planted: forks no longer serialised and one module-wide fork record (the
+    # bug the per-thread record fixed). In a new process: its locks stay held.
+    script = PLANTED_SHARED_FORK_RECORD.format(folder=os.path.dirname(__file__))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 of 4 locks still held after both forks" in result.stdout, result.stdout
+
+
 FORKS_IN_A_NEW_PROCESS = """
 import sys
 sys.path.insert(0, {folder!r})
