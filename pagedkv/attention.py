@@ -205,7 +205,7 @@ def _attend_grouped_chunks(
     num_kv_heads, num_tokens, _ = keys.shape
     score_chunk, value_chunk = GROUPED_CHUNK_TOKENS
     query_t = np.ascontiguousarray(grouped.transpose(0, 2, 1))
-    scores = row_padded((num_kv_heads, grouped.shape[1], num_tokens), grouped.dtype)
+    scores = row_padded((num_kv_heads, grouped.shape[1], num_tokens), np.result_type(grouped, keys))
     for start in range(0, num_tokens, score_chunk):
         end = min(num_tokens, start + score_chunk)
         # (num_kv_heads, chunk, group) into the chunk's columns of (num_kv_heads, group, num_tokens)
