@@ -302,6 +302,18 @@ def test_a_long_grouped_decode_is_right_at_every_chunk_edge(monkeypatch: pytest.
     assert not _chunked_decodes_match_the_oracle()
 
 
+def test_a_long_grouped_decode_keeps_the_promoted_dtype() -> None:
+    # float32 queries over float64 keys: the chunks' scores are float64, as one matmul's would be.
+    num_tokens = attention.GROUPED_CHUNK_MIN_TOKENS + 5
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((2, num_tokens, 8))
+    values = rng.standard_normal((2, num_tokens, 8))
+    query = rng.standard_normal((6, 8)).astype(np.float32)
+    out = attention.attend_dense(query, keys, values, 0.3)
+    assert out.dtype == np.float64
+    assert out.tobytes() == attention.attend_dense(query.astype(np.float64), keys, values, 0.3).tobytes()
+
+
 @pytest.mark.parametrize("num_tokens", [
     attention.KEYS_FIRST_MIN_TOKENS + 40,  # the keys-first scoring
     attention.GROUPED_CHUNK_MIN_TOKENS + 300,  # chunk by chunk
