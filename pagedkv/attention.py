@@ -77,8 +77,8 @@ KEYS_FIRST_MIN_TOKENS = 512
 #: and groups 2-8 (arrays alone). Through the pool (``benchmarks/bench_formats.py --group G``, two
 #: runs): group 4 at 3k 3.7-4.1 -> 3.1-3.2 ms, 8k 9.6-10.8 -> 8.9, 16k 24-25 -> 17 ms; group 2 at
 #: 4k 4.2-4.6 -> 3.2-3.4, 8k 9.3-10.4 -> 7.0-7.8, 16k 23-25 -> 13-14 ms. At 1k-2k the chunks'
-#: extra calls and padded scores cost as much as they save or more (1k, arrays: 0.76 -> 0.93 ms;
-#: 2k group 2: 1.7-1.9 -> 2.0 ms): the switch sits at 3k. Shape alone decides, and the values'
+#: extra calls cost as much as they save or more (1k, arrays: 0.76 -> 0.92 ms; 2k group 2:
+#: 1.7-1.9 -> 2.0 ms): the switch sits at 3k. Shape alone decides, and the values'
 #: chunk sums are added in chunk order, so every path rounds alike (docs/paging.md).
 GROUPED_CHUNK_MIN_TOKENS = 3072
 
@@ -177,35 +177,32 @@ def attend_dense(
             scores[...] = softmax_rows(np.ascontiguousarray(scores), scale)
         out = np.einsum("hgn,hnd->hgd", scores, values)  # (num_kv_heads, group, head_dim)
     else:
-        if group > 1 and num_tokens >= GROUPED_CHUNK_MIN_TOKENS:
-            return _attend_grouped_chunks(grouped, keys, values, scale).reshape(query.shape)
         if group > 1 and num_tokens >= KEYS_FIRST_MIN_TOKENS:
-            # (num_kv_heads, num_tokens, group), made (num_kv_heads, group, num_tokens) and contiguous
-            by_token = np.matmul(keys, np.ascontiguousarray(grouped.transpose(0, 2, 1)))
-            scores = by_token.transpose(0, 2, 1).copy()
-        else:
-            scores = np.matmul(grouped, keys.transpose(0, 2, 1))
+            return _attend_keys_first(grouped, keys, values, scale).reshape(query.shape)
+        scores = np.matmul(grouped, keys.transpose(0, 2, 1))
         out = np.matmul(softmax_rows(scores, scale), values)
     result: npt.NDArray[np.floating] = out.reshape(query.shape)
     return result
 
 
-def _attend_grouped_chunks(
+def _attend_keys_first(
     grouped: npt.NDArray[np.floating],
     keys: npt.NDArray[np.floating],
     values: npt.NDArray[np.floating],
     scale: float,
 ) -> npt.NDArray[np.floating]:
-    """A long grouped-query decode ``(num_kv_heads, group, head_dim)``, ``GROUPED_CHUNK_TOKENS`` at a time.
+    """Grouped queries ``(num_kv_heads, group, head_dim)`` over ``KEYS_FIRST_MIN_TOKENS`` tokens or more.
 
-    Each chunk scores as ``K @ q^T`` (``KEYS_FIRST_MIN_TOKENS``) into its
-    columns of rows padded apart (``row_padded``), and the values' products
-    are summed in chunk order.
+    Scores as ``K @ q^T``, written into ``(num_kv_heads, group, num_tokens)``;
+    the whole window in one matmul each for scores and values, or from
+    ``GROUPED_CHUNK_MIN_TOKENS`` on ``GROUPED_CHUNK_TOKENS`` at a time, the
+    values' products summed in chunk order.
     """
     num_kv_heads, num_tokens, _ = keys.shape
-    score_chunk, value_chunk = GROUPED_CHUNK_TOKENS
+    chunked = num_tokens >= GROUPED_CHUNK_MIN_TOKENS
+    score_chunk, value_chunk = GROUPED_CHUNK_TOKENS if chunked else (num_tokens, num_tokens)
     query_t = np.ascontiguousarray(grouped.transpose(0, 2, 1))
-    scores = row_padded((num_kv_heads, grouped.shape[1], num_tokens), np.result_type(grouped, keys))
+    scores = np.empty((num_kv_heads, grouped.shape[1], num_tokens), np.result_type(grouped, keys))
     for start in range(0, num_tokens, score_chunk):
         end = min(num_tokens, start + score_chunk)
         # (num_kv_heads, chunk, group) into the chunk's columns of (num_kv_heads, group, num_tokens)

@@ -157,9 +157,9 @@ def float_scores(grouped: npt.NDArray[np.float32], keys: npt.NDArray[np.float32]
     Returns:
         A new ``(num_kv_heads, rows, num_tokens)`` float32 array laid out as :func:`scores` lays it.
     """
+    compile_kernels()  # the jit extra's ImportError, said plainly
     from pagedkv.kernels import compiled
 
-    compile_kernels()
     stored = _read_only(np.ascontiguousarray(keys, np.float32))
     out = row_padded((*grouped.shape[:2], len(stored)), np.dtype(np.float32))
     compiled.float_scores_into(np.ascontiguousarray(grouped, np.float32), stored, out)
@@ -174,6 +174,7 @@ def float_weighted_values(
     Returns:
         A new ``(num_kv_heads, rows, head_dim)`` float32 array.
     """
+    compile_kernels()
     from pagedkv.kernels import compiled
 
     out = np.empty((*weights.shape[:2], values.shape[2]), np.float32)

@@ -239,8 +239,11 @@ def _oracle(query: Any, keys: Any, values: Any, scale: float) -> Any:
     return out
 
 
-@pytest.mark.parametrize("num_tokens", [attention.KEYS_FIRST_MIN_TOKENS - 1, attention.KEYS_FIRST_MIN_TOKENS])
-def test_grouped_queries_score_keys_first_from_the_threshold(
+@pytest.mark.parametrize("num_tokens", [
+    attention.KEYS_FIRST_MIN_TOKENS - 1, attention.KEYS_FIRST_MIN_TOKENS,
+    attention.GROUPED_CHUNK_MIN_TOKENS - 1, attention.GROUPED_CHUNK_MIN_TOKENS,
+])
+def test_grouped_queries_score_keys_first_from_the_threshold_and_in_chunks_from_the_next(
     num_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = np.random.default_rng(num_tokens)
@@ -256,8 +259,14 @@ def test_grouped_queries_score_keys_first_from_the_threshold(
 
     monkeypatch.setattr(np, "matmul", spy)
     out = attention.attend_dense(query, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), 0.3)
-    keys_first = num_tokens >= attention.KEYS_FIRST_MIN_TOKENS
-    assert first_operands == [(2, num_tokens, 8) if keys_first else (2, 2, 8), (2, 2, num_tokens)]
+    if num_tokens >= attention.GROUPED_CHUNK_MIN_TOKENS:  # keys first, chunk by chunk
+        score_chunk, value_chunk = attention.GROUPED_CHUNK_TOKENS
+        expected = [(2, min(score_chunk, num_tokens - at), 8) for at in range(0, num_tokens, score_chunk)]
+        expected += [(2, 2, min(value_chunk, num_tokens - at)) for at in range(0, num_tokens, value_chunk)]
+    else:  # one matmul each, keys first from KEYS_FIRST_MIN_TOKENS
+        keys_first = num_tokens >= attention.KEYS_FIRST_MIN_TOKENS
+        expected = [(2, num_tokens, 8) if keys_first else (2, 2, 8), (2, 2, num_tokens)]
+    assert first_operands == expected
     np.testing.assert_allclose(out, _oracle(query, keys, values, 0.3), rtol=1e-4, atol=1e-5)
 
 
@@ -279,26 +288,16 @@ def _chunked_decodes_match_the_oracle() -> bool:
 
 
 def test_a_long_grouped_decode_is_right_at_every_chunk_edge(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real_chunks = attention._attend_grouped_chunks
-
-    def counted(grouped: Any, keys: Any, *rest: Any) -> Any:
-        calls.append(keys.shape[1])
-        return real_chunks(grouped, keys, *rest)
-
-    monkeypatch.setattr(attention, "_attend_grouped_chunks", counted)
     assert _chunked_decodes_match_the_oracle()
-    assert min(calls) == attention.GROUPED_CHUNK_MIN_TOKENS  # shorter windows take one matmul
-    monkeypatch.undo()
     # Planted: the value chunks after the first are never added. The same check must fail.
-    real = attention._attend_grouped_chunks
+    real = attention._attend_keys_first
 
     def first_value_chunk_only(grouped: Any, keys: Any, values: Any, scale: float) -> Any:
         dropped = values.copy()
         dropped[:, attention.GROUPED_CHUNK_TOKENS[1] :] = 0.0
         return real(grouped, keys, dropped, scale)
 
-    monkeypatch.setattr(attention, "_attend_grouped_chunks", first_value_chunk_only)
+    monkeypatch.setattr(attention, "_attend_keys_first", first_value_chunk_only)
     assert not _chunked_decodes_match_the_oracle()
 
 
