@@ -11,6 +11,7 @@ with its ``attention_backend``. Design and measurements: docs/design.md, docs/pa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -90,20 +91,23 @@ def softmax_rows(
     scores: npt.NDArray[np.floating],
     scale: float = 1.0,
     visible: npt.NDArray[np.bool_] | None = None,
+    hidden: npt.NDArray[np.bool_] | None = None,
 ) -> npt.NDArray[np.floating]:
-    """Softmax along the last axis of ``scale * scores``, in place where it can be.
+    """Softmax along the last axis of ``scale * scores``, in place.
 
     Every kernel ends its scores here, so they all round the same way: scale,
     mask (hidden scores become -inf, weight exactly 0), subtract the row
     maximum (so exp() stays finite for scores of any size), exp, normalize.
 
     Args:
-        scores: raw scores; overwritten unless ``visible`` is given.
+        scores: raw scores, overwritten by the weights.
         scale: multiplies every score first.
         visible: booleans broadcastable to ``scores``; False hides a score.
+        hidden: the same as ``~visible``, for a caller that reuses one mask
+            (give one of the two, or neither).
 
     Returns:
-        The weights (``scores`` itself when no mask was given).
+        ``scores``, now the weights.
 
     >>> softmax_rows(np.array([[0.0, 0.0]])).tolist()
     [[0.5, 0.5]]
@@ -111,7 +115,9 @@ def softmax_rows(
     if scale != 1.0:
         scores *= scale
     if visible is not None:
-        scores = np.where(visible, scores, -np.inf)
+        hidden = ~visible
+    if hidden is not None:
+        np.copyto(scores, -np.inf, where=hidden)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -225,6 +231,40 @@ def _streams_compiled(*arrays: npt.NDArray[np.floating]) -> bool:
     return _SELECTED["kernel"] == "numba" and all(array.dtype == np.float32 for array in arrays)
 
 
+#: A prefill's masked kernel scores as many kv heads at a time as fit in this many bytes (at
+#: least one): 2 MiB is 4 of 8 heads of a 128-query chunk over 1k tokens, one head from 4k on.
+#: (All heads at once cost 10-13% at 8k-16k tokens in the softmax's passes; one head at a time
+#: cost 3% at 1k in calls: docs/paging.md.)
+SCORE_BLOCK_BYTES = 2 << 20
+
+#: A prefill's scores up to this size live in a buffer of the thread's, kept between calls;
+#: larger ones are allocated and freed each call.
+#:
+#: NOTE: a new score array each call (4 MiB for a 128-query chunk over 1k tokens at H=8) cost a
+#: page fault per 4 KiB on most calls here, about 2.5 us each (glibc maps a block that large
+#: afresh when the last one it freed was the same size): a fifth of a 1k-token prefill, and as
+#: much again over growing contexts (docs/paging.md). The buffer holds at most this much a thread.
+SCORE_BUFFER_MAX_BYTES = 256 << 20
+
+
+def _score_rows(
+    shape: tuple[int, ...], dtype: np.dtype[Any], padded: bool = True
+) -> npt.NDArray[np.floating]:
+    """An uninitialized ``shape`` array in this thread's buffer, valid until the thread's next call.
+
+    ``padded``: last-axis rows :func:`padded_rows` apart (scores written a
+    chunk of columns at a time), else C-contiguous (whole rows at once: the
+    softmax's passes then run as one loop, 8-10% faster at 1k-2k tokens).
+    A fresh array past ``SCORE_BUFFER_MAX_BYTES``.
+    """
+    *leading, num_columns = shape
+    stored = (*leading, padded_rows(num_columns) if padded else num_columns)
+    if math.prod(stored) * np.dtype(dtype).itemsize > SCORE_BUFFER_MAX_BYTES:
+        return row_padded(shape, dtype) if padded else np.empty(shape, dtype)
+    scores: npt.NDArray[np.floating] = scratch_buffer("scores", dtype, stored)[..., :num_columns]
+    return scores
+
+
 def _group_by_kv_head(queries: npt.NDArray[np.floating], num_kv_heads: int) -> npt.NDArray[np.floating]:
     """``(num_queries, num_q_heads, d)`` as ``(num_kv_heads, num_queries * group, d)``: by kv head."""
     num_queries, num_q_heads, head_dim = queries.shape
@@ -264,22 +304,36 @@ def attend_dense_masked(
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    grouped = _group_by_kv_head(queries, num_kv_heads)
-    scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (num_kv_heads, num_queries * group, num_tokens)
-    scores = scores.reshape(num_kv_heads, num_queries, group, num_tokens)
-    scores = softmax_rows(scores, scale, visible[None, :, None, :])
-    weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
-    # NOTE: OpenBLAS's small-N kernels (head_dim 1-8 here) can raise the FPU's
-    # invalid flag on lanes they load past a row and drop, so numpy warned
-    # "invalid value encountered in matmul" once in CI for finite inputs (a
-    # 5-token prefill at head_dim 1). The inputs are checked finite and masked
-    # weights are exact zeros, so no real NaN can arise here; an overflow is
-    # still reported. (numpy/OpenBLAS discuss silencing FE_INVALID the same way.)
-    with np.errstate(invalid="ignore"):
-        out = np.matmul(weights, values)  # (num_kv_heads, num_queries * group, head_dim)
-    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
-    return result
+    grouped = _group_by_kv_head(queries, num_kv_heads)  # (num_kv_heads, num_queries * group, head_dim)
+    rows = num_queries * group
+    score_dtype = np.result_type(grouped, keys)
+    out_dtype = np.result_type(score_dtype, values)
+    # NOTE: a block of kv heads at a time, their scores in this thread's
+    # buffer: the softmax's passes run over at most SCORE_BLOCK_BYTES of
+    # scores while they sit in cache, and no call maps fresh pages for them
+    # (see SCORE_BUFFER_MAX_BYTES). Same bits as all heads at once.
+    head_bytes = rows * num_tokens * score_dtype.itemsize
+    block = max(1, min(num_kv_heads, SCORE_BLOCK_BYTES // head_bytes))
+    result = np.empty((num_queries, num_kv_heads, group, head_dim), out_dtype)
+    hidden = ~visible[None, :, None, :]
+    for first in range(0, num_kv_heads, block):
+        heads = slice(first, min(num_kv_heads, first + block))
+        count = heads.stop - first
+        scores = _score_rows((count, rows, num_tokens), score_dtype, padded=False)
+        np.matmul(grouped[heads], keys[heads].transpose(0, 2, 1), out=scores)
+        weights = softmax_rows(scores.reshape(count, num_queries, group, num_tokens), scale, hidden=hidden)
+        out = scratch_buffer("head out", out_dtype, (count, rows, head_dim))
+        # NOTE: OpenBLAS's small-N kernels (head_dim 1-8 here) can raise the FPU's
+        # invalid flag on lanes they load past a row and drop, so numpy warned
+        # "invalid value encountered in matmul" once in CI for finite inputs (a
+        # 5-token prefill at head_dim 1). The inputs are checked finite and masked
+        # weights are exact zeros, so no real NaN can arise here; an overflow is
+        # still reported. (numpy/OpenBLAS discuss silencing FE_INVALID the same way.)
+        with np.errstate(invalid="ignore"):
+            np.matmul(weights.reshape(count, rows, num_tokens), values[heads], out=out)
+        result[:, heads] = out.reshape(count, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    flat: npt.NDArray[np.floating] = result.reshape(num_queries, num_q_heads, head_dim)
+    return flat
 
 
 def attend_padded(
@@ -333,6 +387,10 @@ CHUNK_TOKENS = 1024
 #: values): 2 MiB of float32 at H=8, d=128 (128 to 1024 measured, 512 best by 2-4%; docs/quantization.md).
 COMPILED_CHUNK_TOKENS = 512
 
+#: A prefill over at most this many tokens widens its keys and values whole, once, and runs
+#: :func:`attend_dense_masked` on them: float32's own kernel over the stored values.
+WHOLE_WINDOW_TOKENS = 1024
+
 #: Up to this many rows per kv head (a decode's grouped query heads) scales are folded into the
 #: scores and weights; more rows (a prefill chunk) multiply each chunk's values by them instead.
 #:
@@ -345,20 +403,20 @@ FOLD_MAX_ROWS = 8
 
 
 def _chunk(
-    tokens: Tokens, start: int, end: int, dtype: np.dtype[Any], keys: bool = False
+    tokens: Tokens, start: int, end: int, dtype: np.dtype[Any], keys: bool = False, buffer: str = "chunk"
 ) -> npt.NDArray[np.floating]:
     """Tokens ``start .. end - 1`` as floats ``(num_kv_heads, end - start, head_dim)``: a view.
 
-    Of the float tokens themselves, or of this thread's chunk buffer, valid
-    until the thread's next quantized chunk. ``keys``: the chunk is a
-    prefill's keys (the compiled widening lays them token-major, values
-    head-major: see ``_widen_compiled``).
+    Of the float tokens themselves, or of this thread's scratch ``buffer``,
+    valid until the thread's next quantized chunk into it. ``keys``: the
+    chunk is a prefill's keys (the compiled widening lays them token-major,
+    values head-major: see ``_widen_compiled``).
     """
     if isinstance(tokens, QuantizedTokens):
         heads, _, head_dim = tokens.shape
         if _widens_compiled(dtype):
-            return _widen_compiled(tokens, start, end, dtype, keys)
-        out = scratch_buffer("chunk", dtype, (end - start, heads, head_dim))
+            return _widen_compiled(tokens, start, end, dtype, keys, buffer)
+        out = scratch_buffer(buffer, dtype, (end - start, heads, head_dim))
         tokens.decode_into(start, end, out)
         heads_first: npt.NDArray[np.floating] = out.transpose(1, 0, 2)
         return heads_first
@@ -419,6 +477,10 @@ def _weighted_values(
             diagonal = np.arange(num_groups)
             own = every[:, diagonal, :, diagonal]  # (G, H, R, gs): advanced indices first
             part = own.transpose(1, 2, 0, 3).reshape(num_kv_heads, num_rows, -1)
+        elif num_rows > FOLD_MAX_ROWS:  # a prefill chunk: this thread's buffers (see _score_rows)
+            purpose = "values out" if out is None else "values part"
+            part = scratch_buffer(purpose, dtype, (num_kv_heads, num_rows, values.shape[2]))
+            np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype), out=part)
         else:
             part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
         if out is None:
@@ -445,7 +507,7 @@ def _scores(
     # NOTE: many rows (a prefill chunk) are written a chunk of columns at a
     # time, which stalls on rows a multiple of 4 KiB apart (pagedkv.kernels.rows).
     shape = (num_kv_heads, num_rows, num_tokens)
-    scores = row_padded(shape, dtype) if num_rows > FOLD_MAX_ROWS else np.empty(shape, dtype)
+    scores = _score_rows(shape, dtype) if num_rows > FOLD_MAX_ROWS else np.empty(shape, dtype)
     if _folds(keys, num_rows):
         assert isinstance(keys, QuantizedTokens)
         num_groups = keys.storage.num_groups
@@ -527,9 +589,9 @@ def _widens_compiled(dtype: np.dtype[Any]) -> bool:
 
 
 def _widen_compiled(
-    tokens: QuantizedTokens, start: int, end: int, dtype: np.dtype[Any], keys: bool
+    tokens: QuantizedTokens, start: int, end: int, dtype: np.dtype[Any], keys: bool, buffer: str = "chunk"
 ) -> npt.NDArray[np.floating]:
-    """Tokens ``start .. end - 1`` widened by the compiled loop, ``(H, end - start, d)``: a view of a buffer.
+    """Tokens ``start .. end - 1`` widened by the compiled loop, ``(H, end - start, d)``, in ``buffer``.
 
     The same values as ``tokens.decode_into`` (each ``code * scale``, one
     rounding), read by slot from the stored rows. Keys are laid token-major
@@ -549,12 +611,12 @@ def _widen_compiled(
     num_tokens = end - start
     widened: npt.NDArray[np.floating]
     if keys:
-        flat = scratch_buffer("chunk", dtype, (num_tokens * heads * head_dim,))
+        flat = scratch_buffer(buffer, dtype, (num_tokens * heads * head_dim,))
         strides = (heads * head_dim, head_dim)
         widened = flat.reshape(num_tokens, heads, head_dim).transpose(1, 0, 2)
     else:
         stride = padded_rows(num_tokens * head_dim)
-        flat = scratch_buffer("chunk", dtype, (heads * stride,))
+        flat = scratch_buffer(buffer, dtype, (heads * stride,))
         strides = (head_dim, stride)
         widened = head_planes(flat, heads, num_tokens, head_dim)
     slots, scale_slots = _compiled_slots(tokens)
@@ -676,15 +738,20 @@ def attend_chunked_masked(
     """
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
+    if num_tokens <= WHOLE_WINDOW_TOKENS:
+        whole_keys = _chunk(keys, 0, num_tokens, dtype, keys=True, buffer="keys")
+        whole_values = _chunk(values, 0, num_tokens, dtype, buffer="values")
+        return attend_dense_masked(queries, whole_keys, whole_values, visible, scale)
     group = num_q_heads // num_kv_heads
     grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
     scores = softmax_rows(scores, scale, visible[None, :, None, :])
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
-    out = _weighted_values(weights, values, dtype)
-    out = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
-    result: npt.NDArray[np.floating] = out.reshape(num_queries, num_q_heads, head_dim)
-    return result
+    out = _weighted_values(weights, values, dtype)  # this thread's buffer: copied out
+    result = np.empty((num_queries, num_kv_heads, group, head_dim), out.dtype)
+    result[...] = out.reshape(num_kv_heads, num_queries, group, head_dim).transpose(1, 0, 2, 3)
+    flat: npt.NDArray[np.floating] = result.reshape(num_queries, num_q_heads, head_dim)
+    return flat
 
 
 # ------------------------------------------------------------ the walk over block tables

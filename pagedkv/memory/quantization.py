@@ -103,7 +103,9 @@ def scratch_buffer(purpose: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -
     """This thread's reusable C-contiguous buffer for ``purpose``, reshaped to ``shape`` (grown as needed).
 
     Valid until the same thread asks for the same ``purpose`` and ``dtype``
-    again; other threads have buffers of their own.
+    again; other threads have buffers of their own. A buffer grows by at
+    least half its size, so a context growing a chunk at a time maps fresh
+    pages (a page fault each) on a few calls, not on every one.
     """
     buffers: dict[tuple[str, np.dtype[Any]], npt.NDArray[Any]] | None = getattr(_SCRATCH, "buffers", None)
     if buffers is None:
@@ -114,7 +116,8 @@ def scratch_buffer(purpose: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -
     buffer = buffers.get((purpose, dtype))
     if buffer is None or buffer.size < size:
         # NOTE: zeroed, as the gather scratch (pages.Scratch): BLAS may load past a row's end.
-        buffer = buffers[(purpose, dtype)] = np.zeros(max(size, 1), dtype)
+        grown = 0 if buffer is None else buffer.size + buffer.size // 2
+        buffer = buffers[(purpose, dtype)] = np.zeros(max(size, grown, 1), dtype)
     result: npt.NDArray[Any] = buffer[:size].reshape(shape)
     return result
 
