@@ -745,7 +745,9 @@ def attend_chunked_masked(
     group = num_q_heads // num_kv_heads
     grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
-    scores = softmax_rows(scores, scale, visible[None, :, None, :])
+    hidden = ~visible[:, None, :]
+    for head in range(num_kv_heads):  # one head's scores at a time stay in cache (as attend_dense_masked)
+        softmax_rows(scores[head], scale, hidden=hidden)
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)
     out = _weighted_values(weights, values, dtype)  # this thread's buffer: copied out
     result = np.empty((num_queries, num_kv_heads, group, head_dim), out.dtype)

@@ -175,14 +175,18 @@ def stored(name: str, dense: np.ndarray) -> QuantizedTokens:
     block_size=st.sampled_from([1, 2, 16]),
     head_dim=st.sampled_from([8, 64, 128]),
     chunk=st.integers(1, 9),
+    whole=st.sampled_from([0, 1024]),
     view_mode=st.sampled_from(["views", "gather"]),
     seed=st.integers(0, 2**16),
 )
 def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit(
-    name: str, num_tokens: int, num_queries: int, block_size: int, head_dim: int, chunk: int, view_mode: str,
-    seed: int,
+    name: str, num_tokens: int, num_queries: int, block_size: int, head_dim: int, chunk: int, whole: int,
+    view_mode: str, seed: int,
 ) -> None:
-    """A prefill chunk (more query rows than ``FOLD_MAX_ROWS``): chunks widened by the compiled loop."""
+    """A prefill chunk (more query rows than ``FOLD_MAX_ROWS``): widened by the compiled loop.
+
+    ``whole`` is ``WHOLE_WINDOW_TOKENS``: 0 runs the chunked kernel, 1024 the whole window widened.
+    """
     rng = np.random.default_rng(seed)
     try:
         pool, table, keys, values = interleaved(name, num_tokens, block_size, head_dim, rng, view_mode)
@@ -192,13 +196,14 @@ def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompu
     queries = rng.standard_normal((num_queries, 2, head_dim)).astype(np.float32)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = np.arange(num_tokens)[None, :] <= newest[:, None]
-    saved, attention.COMPILED_CHUNK_TOKENS = attention.COMPILED_CHUNK_TOKENS, chunk
+    saved = attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS
+    attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = chunk, whole
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
         expected = attend_chunked_masked(queries, stored(name, keys), stored(name, values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
-        attention.COMPILED_CHUNK_TOKENS = saved
+        attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = saved
     assert_same_bits(got, expected)
 
 
@@ -241,10 +246,11 @@ def test_a_planted_prefill_widening_that_reads_the_next_slot_is_caught(
         return original(side, slots, scale_slots, *layout)
 
     monkeypatch.setattr(jit, "decode_into", as_one_run)
-    with pytest.raises(AssertionError):
-        test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit.hypothesis.inner_test(
-            name="int8", num_tokens=12, num_queries=10, block_size=2, head_dim=64, chunk=4,
-            view_mode="gather", seed=3)
+    for whole in (0, 1024):  # the chunked kernel and the whole window
+        with pytest.raises(AssertionError):
+            test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit.hypothesis.inner_test(
+                name="int8", num_tokens=12, num_queries=10, block_size=2, head_dim=64, chunk=4, whole=whole,
+                view_mode="gather", seed=3)
 
 
 def test_an_unknown_kernel_is_refused_and_nothing_changes() -> None:
