@@ -2,7 +2,7 @@
 
 ``attend_dense_masked`` scores ``SCORE_BLOCK_BYTES`` of kv heads at a time into a
 buffer kept between calls (``SCORE_BUFFER_MAX_BYTES``), and a quantized prefill of
-at most ``WHOLE_WINDOW_TOKENS`` tokens runs it on the widened window. None of that
+at most ``WHOLE_WINDOW_BYTES`` (widened) runs it on the widened window. None of that
 may change a bit, leak a buffer into a result, or skip a head: each check below
 runs on the shipped kernel and on a planted one that does exactly that.
 """
@@ -107,9 +107,9 @@ def test_a_result_never_shares_the_thread_s_buffers() -> None:
         return attention.attend_chunked_masked(queries, stored(keys), stored(values), visible, scale,
                                                np.dtype(np.float32))
 
-    for whole in (0, 1024):  # the chunked kernel's copy out of its buffer, and the whole window's
+    for whole in (0, 1 << 30):  # the chunked kernel's copy out of its buffer, and the whole window's
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(attention, "WHOLE_WINDOW_TOKENS", whole)
+            patch.setattr(attention, "WHOLE_WINDOW_BYTES", whole)
             check_results_own_their_memory(quantized_kernel)
 
 
@@ -147,7 +147,7 @@ def test_a_planted_kernel_that_drops_the_last_partial_block_is_caught() -> None:
 def test_a_short_quantized_prefill_is_float32_s_masked_kernel_over_the_stored_values(
     name: str, kernel_name: str
 ) -> None:
-    """Up to ``WHOLE_WINDOW_TOKENS``: the widened window through ``attend_dense_masked``, bit for bit."""
+    """Up to ``WHOLE_WINDOW_BYTES``: the widened window through ``attend_dense_masked``, bit for bit."""
     if kernel_name == "numba":
         pytest.importorskip("numba")
     rng = np.random.default_rng(9)

@@ -175,7 +175,7 @@ def stored(name: str, dense: np.ndarray) -> QuantizedTokens:
     block_size=st.sampled_from([1, 2, 16]),
     head_dim=st.sampled_from([8, 64, 128]),
     chunk=st.integers(1, 9),
-    whole=st.sampled_from([0, 1024]),
+    whole=st.sampled_from([0, 1 << 30]),
     view_mode=st.sampled_from(["views", "gather"]),
     seed=st.integers(0, 2**16),
 )
@@ -185,7 +185,7 @@ def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompu
 ) -> None:
     """A prefill chunk (more query rows than ``FOLD_MAX_ROWS``): widened by the compiled loop.
 
-    ``whole`` is ``WHOLE_WINDOW_TOKENS``: 0 runs the chunked kernel, 1024 the whole window widened.
+    ``whole`` is ``WHOLE_WINDOW_BYTES``: 0 runs the chunked kernel, 2^30 the whole window widened.
     """
     rng = np.random.default_rng(seed)
     try:
@@ -196,14 +196,14 @@ def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompu
     queries = rng.standard_normal((num_queries, 2, head_dim)).astype(np.float32)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = np.arange(num_tokens)[None, :] <= newest[:, None]
-    saved = attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS
-    attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = chunk, whole
+    saved = attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES
+    attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = chunk, whole
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
         expected = attend_chunked_masked(queries, stored(name, keys), stored(name, values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
-        attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = saved
+        attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = saved
     assert_same_bits(got, expected)
 
 
@@ -246,7 +246,7 @@ def test_a_planted_prefill_widening_that_reads_the_next_slot_is_caught(
         return original(side, slots, scale_slots, *layout)
 
     monkeypatch.setattr(jit, "decode_into", as_one_run)
-    for whole in (0, 1024):  # the chunked kernel and the whole window
+    for whole in (0, 1 << 30):  # the chunked kernel and the whole window
         with pytest.raises(AssertionError):
             test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit.hypothesis.inner_test(
                 name="int8", num_tokens=12, num_queries=10, block_size=2, head_dim=64, chunk=4, whole=whole,

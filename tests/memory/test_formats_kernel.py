@@ -137,13 +137,13 @@ def test_paged_decode_over_a_fragmented_pool_equals_the_recompute_bit_for_bit(
     num_tokens=st.integers(3, 40),
     num_queries=st.integers(2, 6),
     chunk=st.integers(1, 7),
-    whole=st.sampled_from([0, 1024]),
+    whole=st.sampled_from([0, 1 << 30]),
     seed=st.integers(0, 2**16),
 )
 def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_for_bit(
     name: str, num_tokens: int, num_queries: int, chunk: int, whole: int, seed: int
 ) -> None:
-    """``whole`` is ``WHOLE_WINDOW_TOKENS``: 0 runs the chunked kernel, 1024 the whole window decoded."""
+    """``whole`` is ``WHOLE_WINDOW_BYTES``: 0 runs the chunked kernel, 2^30 the whole window decoded."""
     rng = np.random.default_rng(seed)
     pool, table, keys, values = interleaved(name, num_tokens, 2, 8, rng)
     num_queries = min(num_queries, num_tokens)
@@ -158,14 +158,14 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
     positions = np.arange(num_tokens)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = positions[None, :] <= newest[:, None]
-    saved = attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS
-    attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = chunk, whole
+    saved = attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES
+    attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = chunk, whole
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
         expected = attend_chunked_masked(queries, stored(keys), stored(values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
-        attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_TOKENS = saved
+        attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = saved
     assert_same_bits(got, expected)
 
 
