@@ -238,13 +238,15 @@ def _streams_compiled(*arrays: npt.NDArray[np.floating]) -> bool:
 SCORE_BLOCK_BYTES = 2 << 20
 
 #: A prefill's scores up to this size live in a buffer of the thread's, kept between calls;
-#: larger ones are allocated and freed each call.
+#: larger ones are allocated and freed each call. A thread keeps at most half as much again (a
+#: buffer grows by half): float32 pages hold one block of heads' scores, 8 MiB a 128-query chunk
+#: over 16k tokens; low-precision pages past ``WHOLE_WINDOW_BYTES`` hold every head's, 67 MB at 16k.
 #:
 #: NOTE: a new score array each call (4 MiB for a 128-query chunk over 1k tokens at H=8) cost a
 #: page fault per 4 KiB on most calls here, about 2.5 us each (glibc maps a block that large
 #: afresh when the last one it freed was the same size): a fifth of a 1k-token prefill, and as
-#: much again over growing contexts (docs/paging.md). The buffer holds at most this much a thread.
-SCORE_BUFFER_MAX_BYTES = 256 << 20
+#: much again over growing contexts (docs/paging.md).
+SCORE_BUFFER_MAX_BYTES = 128 << 20
 
 
 def _score_rows(
