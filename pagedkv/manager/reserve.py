@@ -775,24 +775,27 @@ def reserve_one(
     """``reserve`` of one sequence on its common path, or None where that path does not apply.
 
     The common path: a count or one plain int id, a known, running, settled
-    sequence, no window, no copy-on-write, and room in the pool. It checks
-    what ``parse_requests`` and ``resolve_requests`` would; anything else
-    (every error included) is left to the general path, which raises.
-    Nothing changes before the plan is known to fit.
+    sequence, no copy-on-write, and room in the pool. It checks what
+    ``parse_requests`` and ``resolve_requests`` would; anything else (every
+    error included) is left to the general path, which raises. Nothing
+    changes before the plan is known to fit. A window's eviction comes first,
+    as in :func:`commit_reservation`.
 
     NOTE: the decode token (one token, no window) is planned and committed
     here by hand: its plan is "a new block iff the last one is full; a
     shared or keyed, partly filled last block means copy-on-write, which the general
     path does". An engine makes this call for every sequence every step, and
     two more calls (:func:`plan_step`, :func:`commit_step`) are a large part
-    of it. tests/manager/test_manager_speed_paths.py feeds the same calls to this
+    of it. A windowed sequence (a sliding-window group of a hybrid model)
+    takes those two calls, without the general path's parse and resolve
+    (reserve and write of one decode token, three layers: 18.7 -> 13.0 us; a
+    Gemma 3 step of 6 groups and 18 layers 108 -> 81 us).
+    tests/manager/test_manager_speed_paths.py feeds the same calls to this
     path and the general one and compares every state, batch and error, and
     runs the state machines with this path off. Its batch carries the
     token's slot (``Batch.for_token``), so each layer's
     ``write`` copies the row without reading any array.
     """
-    if window is not None:
-        return None
     if value.__class__ is int:
         if value < 1:
             return None
@@ -812,14 +815,22 @@ def reserve_one(
     if keyed and token_ids is None and record.token_ids is not None:
         return None
     allocator = pool.allocator
-    if count > 1:
-        step, _ = plan_step(table, count, allocator, None, {})
-        if step[1] or step[2] > allocator.num_free_blocks:
+    if count > 1 or window is not None:
+        step, num_released = plan_step(table, count, allocator, window, {})
+        if step[1] or step[2] > allocator.num_free_blocks + num_released:
             return None
         # ---- validated: nothing below can fail ----
-        start, piece = commit_step(record, count, None, None, step, pool)
+        if step[0] > table.window_start:  # the eviction first: its blocks count as room
+            released = table.evict_to(step[0])
+            if released:
+                allocator.free(released)
+        start, piece = commit_step(record, count, token_ids, None, step, pool)
         record.reservation_id = stamp = next(_RESERVATION_IDS)
-        record.batch = batch = Batch._issue((seq_id,), (count,), (start,), [piece], (stamp,))
+        if piece.__class__ is int:  # one token: commit_step's slot
+            batch = Batch.for_token(seq_id, start, piece, stamp)
+        else:
+            batch = Batch._issue((seq_id,), (count,), (start,), [piece], (stamp,))
+        record.batch = batch
         return batch
     # The token lands in the last block when it has room, else in a new one.
     bs = table.block_size

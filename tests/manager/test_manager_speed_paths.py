@@ -30,6 +30,7 @@ from support.prefix import SHA256, key_chain, make, prefix_of
 
 import pagedkv.manager.manager
 import pagedkv.manager.prefix_sharing
+import pagedkv.manager.reserve
 from pagedkv import KVCacheManager
 from pagedkv.blocks.table import BlockTable
 from pagedkv.errors import (
@@ -256,7 +257,10 @@ def _general_reserve(manager: KVCacheManager) -> Any:
     return reserve
 
 
-@pytest.mark.parametrize("options", [{}, {"enable_prefix_caching": True}, {"num_sink_tokens": 1}])
+@pytest.mark.parametrize("options", [
+    {}, {"enable_prefix_caching": True}, {"num_sink_tokens": 1},
+    {"max_size": 3}, {"max_size": 5, "num_sink_tokens": 1}, {"max_size": 4, "enable_prefix_caching": True},
+])
 @given(ops=OPS)
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_reserve_one_does_what_the_general_path_does(options: dict[str, Any], ops: list[Any]) -> None:
@@ -429,3 +433,43 @@ def test_trusted_inputs_skips_the_value_scans_and_nothing_else() -> None:
 def test_trusted_inputs_must_be_a_bool() -> None:
     with pytest.raises(InputTypeError, match="trusted_inputs must be True or False"):
         make_manager(8, trusted_inputs=1)
+
+
+def test_a_planted_fast_path_that_ignores_the_window_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reserve_one`` plans a windowed sequence with ``plan_step``; planted: the window forgotten there
+    (no eviction, the old blocks kept). The twin's comparison with the general path must fail."""
+    original = pagedkv.manager.reserve.plan_step
+
+    def window_forgotten(table: Any, count: int, allocator: Any, window: Any, ref_drops: Any) -> Any:
+        return original(table, count, allocator, None, ref_drops)
+
+    ops = [("add", 0, 1)] + [("one", 0, 1), ("write", 0, 1)] * 8
+    run = test_reserve_one_does_what_the_general_path_does.hypothesis.inner_test
+    run(options={"max_size": 3}, ops=ops)
+    monkeypatch.setattr(pagedkv.manager.reserve, "plan_step", window_forgotten)
+    with pytest.raises(AssertionError):
+        run(options={"max_size": 3}, ops=ops)
+
+
+@pytest.mark.parametrize("options", [
+    {"max_size": 3}, {"max_size": 5, "num_sink_tokens": 1}, {"max_size": 4, "enable_prefix_caching": True},
+])
+def test_windowed_decodes_through_forks_and_frees_match_the_general_path(options: dict[str, Any]) -> None:
+    """Forked sequences share blocks their windows then let go of (a drop, not a free), prompts of
+    several tokens, frees between steps: the fast path and the general one, state for state."""
+    twin = Twin(**options)
+    caching = "enable_prefix_caching" in options
+    twin.call("add_sequence", "s0")
+    twin.call("reserve", {"s0": list(range(5)) if caching else 5})
+    twin.write()
+    twin.call("fork", "s0", "s1")
+    for step in range(24):
+        for seq_id in ("s0", "s1", "s2"):
+            if seq_id == "s2" and step == 6:
+                twin.call("add_sequence", "s2")
+            if seq_id == "s1" and step == 17:
+                twin.call("free", "s1")
+            twin.call("reserve", {seq_id: [step] if caching else 1 + (step % 5 == 4)})
+            twin.write()
+            twin.fast.check_invariants()
+    assert manager_state(twin.fast) == manager_state(twin.slow)
