@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from pagedkv.blocks.allocator import AllocatorState
 from pagedkv.cache import KVCache
+from pagedkv.counts import ChunkedWindow
 from pagedkv.errors import ClosedCacheError, InputTypeError
 from pagedkv.manager.hybrid import HybridKVCacheManager
 from pagedkv.manager.manager import COUNTERS, KVCacheManager
@@ -171,18 +172,21 @@ def capture_hybrid(manager: HybridKVCacheManager) -> tuple[State, Tensors]:
     return state, tensors
 
 
-def _window_json(window: int | None) -> int | None:
-    """A sliding window (None: full attention) as JSON.
+def _window_json(window: int | None) -> int | dict[str, int] | None:
+    """A layer's window as JSON: None (full attention), its int (a sliding window), or
+    ``{"chunk": C}`` (chunked local attention, ``ChunkedWindow(C)``).
 
     Raises:
-        SnapshotError: the window is a subclass of int (chunked local
-            attention's ``ChunkedWindow``): saved as its int it would load as
-            a sliding window and change every later output, so it is refused.
+        SnapshotError: the window is another subclass of int: saved as its
+            int it would load as a sliding window and change every later
+            output, so it is refused.
     """
-    if window is not None and window.__class__ is not int:
-        fail(f"a layer's window is {window!r}, a {type(window).__name__}; snapshots save full attention "
-             "and sliding windows only (chunked local attention cannot be saved yet)")
-    return window
+    if window is None or window.__class__ is int:
+        return window
+    if window.__class__ is ChunkedWindow:
+        return {"chunk": int(window)}
+    fail(f"a layer's window is {window!r}, a {type(window).__name__}; snapshots save full attention, "
+         "sliding windows and ChunkedWindow only")
 
 
 def _settings_json(manager: KVCacheManager) -> State:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from pagedkv.blocks.table import BlockTable
 from pagedkv.cache import CacheState, KVCache
-from pagedkv.counts import check_count, window_blocks
+from pagedkv.counts import ChunkedWindow, check_count, window_blocks
 from pagedkv.errors import ConfigError, InputTypeError, PagedKVError, SnapshotError
 from pagedkv.manager.groups import GroupLayout, KVCacheGroup
 from pagedkv.manager.hybrid import HybridKVCacheManager
@@ -290,9 +290,11 @@ def _restore_manager(
     config = root.child("manager")
     plans = _pool_plans(root, tensors, limit)
     num_layers = plans["device"].num_layers
-    windows = config.get("layer_max_sizes", list)
-    if len(windows) != num_layers or not all(w is None or (is_int(w) and w >= 1) for w in windows):
-        fail(f"{config.where}.layer_max_sizes = {shown(windows)} does not fit {num_layers} layers")
+    saved_windows = config.get("layer_max_sizes", list)
+    if len(saved_windows) != num_layers:
+        fail(f"{config.where}.layer_max_sizes = {shown(saved_windows)} does not fit {num_layers} layers")
+    windows = [_window(window, f"{config.where}.layer_max_sizes[{layer}]")
+               for layer, window in enumerate(saved_windows)]
     num_sinks = config.integer("num_sink_tokens")
     settings = _settings(config, plans["device"])
     group = _group_plan(config, plans, settings, num_layers, num_sinks)
@@ -374,6 +376,20 @@ def _settings(config: Reader, device: PoolPlan) -> _Settings:
     return _Settings(num_q_heads, scale, prefix_on, hash_algorithm, trusted_inputs)
 
 
+def _window(value: Any, where: str) -> int | None:
+    """A saved window (``capture._window_json``): None, an int >= 1, or ``{"chunk": C >= 1}``.
+
+    >>> _window({"chunk": 4}, "w"), _window(3, "w"), _window(None, "w")
+    (ChunkedWindow(4), 3, None)
+    """
+    if value is None or (is_int(value) and value >= 1):
+        return value  # type: ignore[no-any-return]
+    chunk: Any = value.get("chunk") if isinstance(value, dict) and list(value) == ["chunk"] else None
+    if is_int(chunk) and chunk >= 1:
+        return ChunkedWindow(chunk)
+    fail(f"{where} = {shown(value)} is not a window: null, an int >= 1, or {{\"chunk\": C}} with C >= 1")
+
+
 def _layout(reader: Reader) -> GroupLayout:
     """The saved ``GroupLayout``, checked by its own constructor."""
     layers_per_group = reader.integer("layers_per_group", 1)
@@ -381,8 +397,8 @@ def _layout(reader: Reader) -> GroupLayout:
     for index, raw in enumerate(reader.get("groups", list)):
         entry = Reader(raw, f"{reader.where}.groups[{index}]")
         layers = entry.ints("layers", 0, (1 << 31) - 1)
-        groups.append(KVCacheGroup(tuple(layers), entry.integer("window", 1, optional=True),
-                                   entry.integer("num_sink_tokens")))
+        window = _window(entry.get("window", (int, dict), optional=True), f"{entry.where}.window")
+        groups.append(KVCacheGroup(tuple(layers), window, entry.integer("num_sink_tokens")))
     try:
         return GroupLayout(tuple(groups), layers_per_group)
     except PagedKVError as error:

@@ -22,8 +22,10 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from test_snapshot import Driver, equal
+from test_snapshot import same_view as same_manager_view
 
-from pagedkv import KVPool, snapshot
+from pagedkv import KVCacheManager, KVPool, snapshot
+from pagedkv.counts import ChunkedWindow
 from pagedkv.errors import ConfigError, PoolExhaustedError, SequenceStateError, SnapshotError
 from pagedkv.manager.groups import GroupLayout, KVCacheGroup
 from pagedkv.manager.hybrid import HybridKVCacheManager
@@ -217,7 +219,7 @@ def test_a_window_that_is_not_a_plain_int_is_refused_and_nothing_is_written(tmp_
     layout = GroupLayout((KVCacheGroup((1,), None), KVCacheGroup((0,), ChunkLike(4))), 1)
     manager = HybridKVCacheManager(KVPool(8, block_size=2, head_dim=2, num_layers=1), layout)
     path = str(tmp_path / "chunked.safetensors")
-    with pytest.raises(SnapshotError, match=r"ChunkLike.*chunked local attention cannot be saved"):
+    with pytest.raises(SnapshotError, match=r"ChunkLike.*sliding windows and ChunkedWindow only"):
         snapshot.save(manager, path)
     assert os.listdir(tmp_path) == []
 
@@ -341,3 +343,104 @@ def test_a_block_keyed_by_two_groups_is_refused(tmp_path: Any, no_pool_built: li
         groups[1]["prefix"]["keys"].append([block_id, "ab" * 32])
 
     refused(resigned(source, str(tmp_path), edit), "keyed by two groups", no_pool_built)
+
+
+# ----------------------------------------------------------------- chunked local attention
+
+
+LLAMA4_LIKE = [ChunkedWindow(4), None, ChunkedWindow(4), None]  # chunked layers between full ones
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_chunked_local_attention_round_trips_and_continues_identically(tmp_path: Any, hybrid: bool) -> None:
+    """``ChunkedWindow`` layers (Llama 4), as a hybrid group and as a plain manager's layer windows.
+
+    Saved as ``{"chunk": 4}``: loaded as an int they would be a sliding window of 4 and every later
+    output would change, which the continuation here would show (the planted test below).
+    """
+    chunked_round_trip(str(tmp_path), hybrid, check_file=True)
+
+
+def chunked_round_trip(folder: str, hybrid: bool, check_file: bool) -> None:
+    """Save and load a manager with ``LLAMA4_LIKE`` layers mid-history, then continue both alike.
+
+    ``check_file``: also check the saved form and the loaded windows' types (off, only the
+    continuation's outputs and tables can tell a chunked layer from a sliding one).
+    """
+    shape = dict(block_size=2, num_kv_heads=1, head_dim=2, dtype=np.float32)
+    manager: Any
+    if hybrid:
+        layout = GroupLayout.from_layer_windows(LLAMA4_LIKE)
+        manager = HybridKVCacheManager(KVPool(48, num_layers=layout.layers_per_group, **shape), layout,
+                                       enable_prefix_caching=True)
+        driver: Driver = HybridDriver(manager)
+    else:
+        manager = KVCacheManager(KVPool(48, num_layers=4, **shape), layer_max_sizes=LLAMA4_LIKE,
+                                 enable_prefix_caching=True)
+        driver = Driver(manager)
+    driver.apply((0, 0, 8))  # a prompt of 9 tokens: chunks 0-3, 4-7, 8
+    for _ in range(4):
+        driver.apply((2, 0, 0))  # decode into the next chunk
+    driver.apply((0, 1, 5))
+    driver.apply((4, 0, 0))  # fork
+    path = os.path.join(folder, "chunked.safetensors")
+    snapshot.save(manager, path)
+    loaded = snapshot.load(path, trust_cached_keys=True)
+    assert type(loaded) is type(manager)
+    loaded.check_invariants()
+    if check_file:
+        state = json.loads(snapshot_format._read(path)[0]["state"])
+        saved = (state["hybrid"]["layout"]["groups"] if hybrid else state["manager"]["layer_max_sizes"])
+        assert {"chunk": 4} in ([group["window"] for group in saved] if hybrid else saved)
+    if check_file and hybrid:
+        assert loaded.layout == manager.layout
+        assert sorted(group.window.__class__.__name__ for group in loaded.layout.groups) == [
+            "ChunkedWindow", "NoneType"]
+    elif check_file:
+        assert [window.__class__ for window in loaded.layer_max_sizes] == [w.__class__ for w in LLAMA4_LIKE]
+    twin = (HybridDriver if hybrid else Driver)(loaded, driver.next_id)
+    for op in [(2, 0, 0), (2, 1, 0), (0, 0, 6), (3, 0, 0), (2, 0, 0), (5, 1, 0), (2, 0, 0), (2, 0, 0)]:
+        same_outputs(twin.apply(op), driver.apply(op))
+        if hybrid:
+            same_view(manager, loaded)
+        else:
+            same_manager_view(manager, loaded)
+
+
+@pytest.mark.parametrize("window", [{"chunk": 0}, {"chunk": "4"}, {"chunked": 4}, {"chunk": 4, "extra": 1},
+                                    [4], 0, True])
+def test_a_saved_window_that_is_no_window_is_refused(
+    tmp_path: Any, no_pool_built: list[str], window: Any
+) -> None:
+    def edit(state: dict[str, Any]) -> None:
+        state["hybrid"]["layout"]["groups"][1]["window"] = window
+
+    path = resigned(plain_hybrid_file(str(tmp_path)), str(tmp_path), edit)
+    refused(path, r"groups\[1\]\.window = .* (is not a window|has the wrong type)", no_pool_built)
+
+
+@pytest.mark.parametrize("window", [{"chunk": -2}, {"chunk": 2.0}, "4"])
+def test_a_manager_layer_window_that_is_no_window_is_refused(tmp_path: Any, window: Any) -> None:
+    manager = KVCacheManager(KVPool(8, block_size=2, head_dim=2, num_layers=2), layer_max_sizes=[None, 3])
+    path = str(tmp_path / "valid.safetensors")
+    snapshot.save(manager, path)
+
+    def edit(state: dict[str, Any]) -> None:
+        state["manager"]["layer_max_sizes"][1] = window
+
+    hostile = resigned(path, str(tmp_path), edit)
+    with pytest.raises(SnapshotError, match=r"layer_max_sizes\[1\] = .* is not a window"):
+        snapshot.load(hostile)
+
+
+def test_a_planted_save_of_a_chunked_window_as_its_int_changes_the_continuation(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: ``ChunkedWindow(4)`` saved as 4 (the refusal this replaced guarded against it). The
+    loaded manager then attends like a sliding window: the continuation above must see it."""
+    import pagedkv.snapshot.capture as capture
+
+    monkeypatch.setattr(capture, "_window_json", lambda window: None if window is None else int(window))
+    for hybrid in (True, False):
+        with pytest.raises(AssertionError):
+            chunked_round_trip(str(tmp_path), hybrid, check_file=False)
