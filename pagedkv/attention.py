@@ -393,6 +393,11 @@ COMPILED_CHUNK_TOKENS = 512
 #: and runs :func:`attend_dense_masked` on them: float32's own kernel over the stored values. 8 MiB
 #: is 2k tokens at H=8, d=128: there int8 measured 1.05x float32 whole against 1.14x chunk by
 #: chunk (1k: 1.06x against 1.21x); from 3k tokens the chunks were faster (1.01x against 1.05x).
+#: Longer windows are widened whole as well where the chunks' scores (every head's, kept until
+#: the softmax) would take at least twice the widened window (``2 * head_dim`` query rows a kv
+#: head or more) and both sides fit ``SCORE_BUFFER_MAX_BYTES``: int8, four query heads a kv head,
+#: 1.00-1.01x float32 whole against 1.02-1.19x in chunks at 2k-8k tokens; two heads 1.01x
+#: against 1.03-1.05x at 8k-16k (one run each).
 WHOLE_WINDOW_BYTES = 8 << 20
 
 #: Up to this many rows per kv head (a decode's grouped query heads) scales are folded into the
@@ -742,7 +747,9 @@ def attend_chunked_masked(
     """
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
-    if num_tokens * num_kv_heads * head_dim * np.dtype(dtype).itemsize <= WHOLE_WINDOW_BYTES:
+    widened = num_tokens * num_kv_heads * head_dim * np.dtype(dtype).itemsize  # a side, widened
+    all_scores = widened // head_dim * num_queries * (num_q_heads // num_kv_heads)  # the chunks' scores
+    if widened <= WHOLE_WINDOW_BYTES or (all_scores >= 2 * widened and 2 * widened <= SCORE_BUFFER_MAX_BYTES):
         whole_keys = _chunk(keys, 0, num_tokens, dtype, keys=True, buffer="keys")
         whole_values = _chunk(values, 0, num_tokens, dtype, buffer="values")
         return attend_dense_masked(queries, whole_keys, whole_values, visible, scale)

@@ -203,3 +203,28 @@ def test_softmax_rows_masks_in_place_and_hidden_is_the_negated_mask() -> None:
     assert weights is scores
     assert np.array_equal(attention.softmax_rows(by_hidden, 2.0, hidden=~visible), weights)
     assert weights[0, 1] == 0.0 and weights[1, 0] == 0.0 and weights[1, 2] == 1.0
+
+
+@pytest.mark.parametrize(("num_queries", "whole"), [(7, False), (8, True), (16, True)])
+def test_many_query_rows_widen_the_window_whole_whatever_its_length(
+    monkeypatch: pytest.MonkeyPatch, num_queries: int, whole: bool
+) -> None:
+    """From ``2 * head_dim`` rows a kv head the chunks' scores outweigh the widened window: whole."""
+    monkeypatch.setattr(attention, "WHOLE_WINDOW_BYTES", 0)
+    calls: list[int] = []
+    original = attention.attend_dense_masked
+
+    def spy(*args: Any) -> np.ndarray:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(attention, "attend_dense_masked", spy)
+    rng = np.random.default_rng(1)
+    storage = storage_format("int8", 4)
+    queries, keys, values, visible = masked_case(rng, num_queries, 2, 1, 20, 4, np.float32)
+    sides = []
+    for side in (keys, values):
+        codes, scales = storage.quantize(side.transpose(1, 0, 2))
+        sides.append(QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2), storage))
+    attention.attend_chunked_masked(queries, *sides, visible, 1.0, np.dtype(np.float32))
+    assert bool(calls) == whole

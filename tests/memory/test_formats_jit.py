@@ -196,14 +196,17 @@ def test_compiled_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompu
     queries = rng.standard_normal((num_queries, 2, head_dim)).astype(np.float32)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = np.arange(num_tokens)[None, :] <= newest[:, None]
-    saved = attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES
-    attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = chunk, whole
+    saved = attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES
+    # whole 0: the chunked kernel always (no buffer big enough for the whole window, nor its scores)
+    attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES = (
+        chunk, whole, whole or saved[2])
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
         expected = attend_chunked_masked(queries, stored(name, keys), stored(name, values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
-        attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = saved
+        (attention.COMPILED_CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES,
+         attention.SCORE_BUFFER_MAX_BYTES) = saved
     assert_same_bits(got, expected)
 
 

@@ -158,14 +158,16 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
     positions = np.arange(num_tokens)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = positions[None, :] <= newest[:, None]
-    saved = attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES
-    attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = chunk, whole
+    saved = attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES
+    # whole 0: the chunked kernel always (no buffer big enough for the whole window, nor its scores)
+    attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES = (
+        chunk, whole, whole or saved[2])
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
         expected = attend_chunked_masked(queries, stored(keys), stored(values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
-        attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES = saved
+        attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES = saved
     assert_same_bits(got, expected)
 
 
