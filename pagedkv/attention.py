@@ -103,7 +103,7 @@ def softmax_rows(
         scores: raw scores, overwritten by the weights.
         scale: multiplies every score first.
         visible: booleans broadcastable to ``scores``; False hides a score.
-        hidden: the same as ``~visible``, for a caller that reuses one mask
+        hidden: booleans, the same as ``not visible``, for a caller that reuses one mask
             (give one of the two, or neither).
 
     Returns:
@@ -115,7 +115,7 @@ def softmax_rows(
     if scale != 1.0:
         scores *= scale
     if visible is not None:
-        hidden = ~visible
+        hidden = np.logical_not(visible)
     if hidden is not None:
         np.copyto(scores, -np.inf, where=hidden)
     scores -= scores.max(axis=-1, keepdims=True)
@@ -317,7 +317,7 @@ def attend_dense_masked(
     head_bytes = rows * num_tokens * score_dtype.itemsize
     block = max(1, min(num_kv_heads, SCORE_BLOCK_BYTES // head_bytes))
     result = np.empty((num_queries, num_kv_heads, group, head_dim), out_dtype)
-    hidden = ~visible[None, :, None, :]
+    hidden = np.logical_not(visible)[None, :, None, :]
     for first in range(0, num_kv_heads, block):
         heads = slice(first, min(num_kv_heads, first + block))
         count = heads.stop - first
@@ -756,7 +756,7 @@ def attend_chunked_masked(
     group = num_q_heads // num_kv_heads
     grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
-    hidden = ~visible[:, None, :]
+    hidden = np.logical_not(visible)[:, None, :]
     for head in range(num_kv_heads):  # one head's scores at a time stay in cache (as attend_dense_masked)
         softmax_rows(scores[head], scale, hidden=hidden)
     weights = scores.reshape(num_kv_heads, num_queries * group, num_tokens)

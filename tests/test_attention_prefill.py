@@ -228,3 +228,15 @@ def test_many_query_rows_widen_the_window_whole_whatever_its_length(
         sides.append(QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2), storage))
     attention.attend_chunked_masked(queries, *sides, visible, 1.0, np.dtype(np.float32))
     assert bool(calls) == whole
+
+
+def test_a_mask_of_ones_and_zeros_hides_what_false_hides() -> None:
+    """``visible`` as 0/1 integers: the in-place masking negates it logically, not bitwise (~1 is -2)."""
+    rng = np.random.default_rng(6)
+    queries, keys, values, visible = masked_case(rng, 4, 2, 2, 9, 4, np.float64)
+    as_bools = attention.attend_dense_masked(queries, keys, values, visible, 1.0)
+    as_ints = attention.attend_dense_masked(queries, keys, values, visible.astype(int), 1.0)
+    assert np.array_equal(as_ints, as_bools)
+    scores = rng.standard_normal((4, 9))
+    assert np.array_equal(attention.softmax_rows(scores.copy(), 1.0, visible.astype(np.int8)),
+                          attention.softmax_rows(scores.copy(), 1.0, visible))
