@@ -377,7 +377,9 @@ def attend_padded(
 # ---------------------------------------------- quantized pages: dequantized chunk by chunk
 # The cache is never dequantized: the window is, CHUNK_TOKENS tokens at a time counted from its
 # first token, so chunk boundaries depend only on logical positions and the paged cache and the
-# no-cache recompute run the same arithmetic on the same codes (docs/quantization.md). Each chunk
+# no-cache recompute run the same arithmetic on the same codes (docs/quantization.md). A prefill's
+# window is widened whole instead where it is short or its chunks' scores would outweigh it
+# (WHOLE_WINDOW_BYTES): chosen by shape alone, so both sides still take the same path. Each chunk
 # is decoded from the stored bytes into one per-thread float buffer, token-major (c, H, d) and
 # contiguous whatever the codes' strides, so every path hands BLAS the same numbers and strides.
 
@@ -732,7 +734,9 @@ def attend_chunked_masked(
 ) -> npt.NDArray[np.floating]:
     """Many query tokens, each over the keys its row of ``visible`` allows (chunked prefill).
 
-    The quantized counterpart of :func:`attend_dense_masked`.
+    The quantized counterpart of :func:`attend_dense_masked`: the window
+    widened whole and that kernel run on it where ``WHOLE_WINDOW_BYTES``
+    says, else chunk by chunk (each head's softmax in turn).
 
     Args:
         queries: ``(num_queries, num_q_heads, head_dim)``.
