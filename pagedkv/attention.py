@@ -488,12 +488,11 @@ def _weighted_values(
             diagonal = np.arange(num_groups)
             own = every[:, diagonal, :, diagonal]  # (G, H, R, gs): advanced indices first
             part = own.transpose(1, 2, 0, 3).reshape(num_kv_heads, num_rows, -1)
-        elif num_rows > FOLD_MAX_ROWS:  # a prefill chunk: this thread's buffers (see _score_rows)
+        else:  # a prefill chunk's products go to this thread's buffers (see _score_rows)
             purpose = "values out" if out is None else "values part"
-            part = scratch_buffer(purpose, dtype, (num_kv_heads, num_rows, values.shape[2]))
-            np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype), out=part)
-        else:
-            part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype))
+            into = None if num_rows <= FOLD_MAX_ROWS else scratch_buffer(
+                purpose, dtype, (num_kv_heads, num_rows, values.shape[2]))
+            part = np.matmul(weights[:, :, start:end], _chunk(values, start, end, dtype), out=into)
         if out is None:
             out = part
         else:
@@ -751,13 +750,14 @@ def attend_chunked_masked(
     """
     num_queries, num_q_heads, head_dim = queries.shape
     num_kv_heads, num_tokens, _ = keys.shape
+    group = num_q_heads // num_kv_heads
     widened = num_tokens * num_kv_heads * head_dim * np.dtype(dtype).itemsize  # a side, widened
-    all_scores = widened // head_dim * num_queries * (num_q_heads // num_kv_heads)  # the chunks' scores
-    if widened <= WHOLE_WINDOW_BYTES or (all_scores >= 2 * widened and 2 * widened <= SCORE_BUFFER_MAX_BYTES):
+    # The chunks' scores (every head's) take rows / head_dim times a side's widened bytes.
+    scores_outweigh = num_queries * group >= 2 * head_dim and 2 * widened <= SCORE_BUFFER_MAX_BYTES
+    if widened <= WHOLE_WINDOW_BYTES or scores_outweigh:
         whole_keys = _chunk(keys, 0, num_tokens, dtype, keys=True, buffer="keys")
         whole_values = _chunk(values, 0, num_tokens, dtype, buffer="values")
         return attend_dense_masked(queries, whole_keys, whole_values, visible, scale)
-    group = num_q_heads // num_kv_heads
     grouped = _group_by_kv_head(queries, num_kv_heads)
     scores = _scores(grouped, keys, dtype).reshape(num_kv_heads, num_queries, group, num_tokens)
     hidden = np.logical_not(visible)[:, None, :]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.quantized import stored
 
 import pagedkv.attention as attention
 from pagedkv.memory import quantization
@@ -36,6 +37,11 @@ def masked_case(
     visible = rng.random((num_queries, num_tokens)) < 0.6
     visible[np.arange(num_queries), rng.integers(0, num_tokens, num_queries)] = True
     return queries, keys, values, visible
+
+
+def heads_stored(name: str, side: np.ndarray) -> QuantizedTokens:
+    """A ``masked_case`` side ``(H, N, d)`` stored in ``name`` as a pool stores it."""
+    return stored(name, side.transpose(1, 0, 2))
 
 
 def oracle_rows(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray,
@@ -97,15 +103,11 @@ def test_any_head_block_and_a_fresh_array_give_the_same_bits(
 
 def test_a_result_never_shares_the_thread_s_buffers() -> None:
     check_results_own_their_memory(attention.attend_dense_masked)
-    storage = storage_format("int8", 4)
 
     def quantized_kernel(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray,
                          scale: float) -> np.ndarray:
-        def stored(side: np.ndarray) -> QuantizedTokens:
-            codes, scales = storage.quantize(side.transpose(1, 0, 2))
-            return QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2), storage)
-        return attention.attend_chunked_masked(queries, stored(keys), stored(values), visible, scale,
-                                               np.dtype(np.float32))
+        sides = (heads_stored("int8", keys), heads_stored("int8", values))
+        return attention.attend_chunked_masked(queries, *sides, visible, scale, np.dtype(np.float32))
 
     for whole in (0, 1 << 30):  # the chunked kernel's copy out of its buffer, and the whole window's
         with pytest.MonkeyPatch.context() as patch:
@@ -153,11 +155,7 @@ def test_a_short_quantized_prefill_is_float32_s_masked_kernel_over_the_stored_va
     rng = np.random.default_rng(9)
     storage = storage_format(name, 64)
     queries, keys, values, visible = masked_case(rng, 12, 2, 2, 30, 64, np.float32)
-    sides = []
-    for side in (keys, values):
-        codes, scales = storage.quantize(side.transpose(1, 0, 2))
-        sides.append(QuantizedTokens(codes.transpose(1, 0, 2),
-                                     scales.transpose(1, 0, 2) if storage.scaled else None, storage))
+    sides = [heads_stored(name, side) for side in (keys, values)]
     decoded = [storage.dequantize(*storage.quantize(side.transpose(1, 0, 2)), np.float32).transpose(1, 0, 2)
                for side in (keys, values)]
     previous = attention.set_kernel(kernel_name)
@@ -220,12 +218,8 @@ def test_many_query_rows_widen_the_window_whole_whatever_its_length(
 
     monkeypatch.setattr(attention, "attend_dense_masked", spy)
     rng = np.random.default_rng(1)
-    storage = storage_format("int8", 4)
     queries, keys, values, visible = masked_case(rng, num_queries, 2, 1, 20, 4, np.float32)
-    sides = []
-    for side in (keys, values):
-        codes, scales = storage.quantize(side.transpose(1, 0, 2))
-        sides.append(QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2), storage))
+    sides = [heads_stored("int8", side) for side in (keys, values)]
     attention.attend_chunked_masked(queries, *sides, visible, 1.0, np.dtype(np.float32))
     assert bool(calls) == whole
 

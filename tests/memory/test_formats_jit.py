@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.pools import interleaved
+from support.quantized import stored
 
 import pagedkv.attention as attention
 from pagedkv import reference
 from pagedkv.attention import attend_chunked_masked, attend_sequence, kernel, set_kernel
 from pagedkv.errors import ConfigError
-from pagedkv.memory.quantization import QuantizedTokens, storage_format
+from pagedkv.memory.quantization import QuantizedTokens
 
 pytest.importorskip("ml_dtypes")
 pytest.importorskip("numba")
@@ -157,14 +158,6 @@ def test_a_page_view_names_the_pools_scales_and_their_slots(name: str) -> None:
         assert side.scale_slots.tolist() == table.slot_array(table.live_ranges()).tolist()
         assert side.shape == (2, 40, 128)
     assert keys.scales is not None and np.shares_memory(keys.scales, pool.pages._sides(0)[0][1])
-
-
-def stored(name: str, dense: np.ndarray) -> QuantizedTokens:
-    """``dense`` ``(n, H, d)`` quantized token by token, as a pool stores it, head-major."""
-    storage = storage_format(name, dense.shape[-1])
-    codes, scales = storage.quantize(dense)
-    return QuantizedTokens(codes.transpose(1, 0, 2), scales.transpose(1, 0, 2) if storage.scaled else None,
-                           storage)
 
 
 @settings(max_examples=30, deadline=None)

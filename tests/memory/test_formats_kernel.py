@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.pools import interleaved
+from support.quantized import stored
 
 import pagedkv.attention as attention
 import pagedkv.memory.quantization as quantization
@@ -148,13 +149,6 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
     pool, table, keys, values = interleaved(name, num_tokens, 2, 8, rng)
     num_queries = min(num_queries, num_tokens)
     queries = rng.standard_normal((num_queries, 4, 8)).astype(np.float32)
-    storage = storage_format(name, 8)
-
-    def stored(dense: np.ndarray) -> QuantizedTokens:
-        codes, scales = storage.quantize(dense)  # token by token, as the pool stores them
-        heads_first = scales.transpose(1, 0, 2) if storage.scaled else None
-        return QuantizedTokens(codes.transpose(1, 0, 2), heads_first, storage)
-
     positions = np.arange(num_tokens)
     newest = np.arange(num_tokens - num_queries, num_tokens)
     mask = positions[None, :] <= newest[:, None]
@@ -164,7 +158,7 @@ def test_paged_prefill_over_a_fragmented_pool_equals_the_masked_recompute_bit_fo
         chunk, whole, whole or saved[2])
     try:
         got = attend_sequence(pool, 0, table, None, queries, 0.3)
-        expected = attend_chunked_masked(queries, stored(keys), stored(values), mask, 0.3,
+        expected = attend_chunked_masked(queries, stored(name, keys), stored(name, values), mask, 0.3,
                                          np.dtype(np.float32))
     finally:
         attention.CHUNK_TOKENS, attention.WHOLE_WINDOW_BYTES, attention.SCORE_BUFFER_MAX_BYTES = saved
